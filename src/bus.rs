@@ -1,0 +1,1 @@
+//! NATS connectivity (placeholder, being written).

@@ -1,0 +1,1 @@
+//! Payload decoding (placeholder, being written).

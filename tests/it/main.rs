@@ -1,0 +1,3 @@
+//! Integration tests: one binary, one module per area, each against a real nats-server.
+
+mod support;
