@@ -13,4 +13,6 @@
 //! * [`bus`] knows NATS, not the domain.
 
 pub mod bus;
+pub mod pipeline;
+pub mod scanner;
 pub mod payload;
