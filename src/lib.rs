@@ -13,6 +13,7 @@
 //! * [`bus`] knows NATS, not the domain.
 
 pub mod bus;
+pub mod codec;
 pub mod pipeline;
 pub mod scanner;
 pub mod payload;

@@ -742,14 +742,30 @@ fn parse_tool_call(raw: &str) -> Result<ToolInvocation, String> {
         #[serde(default)]
         server_name: Option<String>,
         #[serde(default)]
-        arguments: serde_json::Value,
+        arguments: Option<serde_json::Value>,
     }
-    let wire: Wire = serde_json::from_str(raw.trim()).map_err(|e| format!("invalid tool call JSON: {e}"))?;
+    // The serde message names the position, never the input.
+    let wire: Wire = serde_json::from_str(raw.trim()).map_err(|e| {
+        format!("invalid tool call JSON at line {} column {}: {}", e.line(), e.column(), category(&e))
+    })?;
+    let arguments = match wire.arguments {
+        None | Some(serde_json::Value::Null) => serde_json::Value::Object(serde_json::Map::new()),
+        Some(v @ serde_json::Value::Object(_)) => v,
+        Some(_) => return Err("tool call arguments must be a JSON object".to_owned()),
+    };
     Ok(ToolInvocation {
         tool_name: wire.tool_name,
-        server_name: wire.server_name.unwrap_or_else(|| "local".to_owned()),
-        arguments: wire.arguments,
+        server_name: wire.server_name.filter(|s| !s.is_empty()).unwrap_or_else(|| "local".to_owned()),
+        arguments,
     })
+}
+
+fn category(e: &serde_json::Error) -> &'static str {
+    match e.classify() {
+        serde_json::error::Category::Data => "missing or mistyped field",
+        serde_json::error::Category::Eof => "unexpected end",
+        serde_json::error::Category::Syntax | serde_json::error::Category::Io => "syntax error",
+    }
 }
 
 #[cfg(test)]

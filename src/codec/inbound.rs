@@ -1,0 +1,326 @@
+//! Decoding of geppetto event JSON (one event per NATS message), in both vocabularies.
+//!
+//! Legacy (geppetto up to v0.11.22): `partial` {delta, completion}, `final` {text}, `interrupt`
+//! {text}, `error` {error_string}. Canonical (v0.11.23 and later): `text-delta` {delta, text,
+//! sequence, correlation}, `text-segment-finished` {text, finish_reason, correlation}. Every other
+//! type is not text: it is passed through untouched. `meta` carries `message_id` (required),
+//! `session_id` (or the older `run_id`), `inference_id`, `turn_id`. The stream id is
+//! `correlation.segment_id`, else `correlation.provider_call_id`, else `meta.message_id`.
+//!
+//! Strings borrow from the payload when they hold no JSON escapes (Go's encoder writes `<` as
+//! `\u003c`, so text with tags is usually decoded into an owned string). Errors never quote the
+//! payload: they name the problem and its position only, so they are safe to log.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+
+/// Why a payload is not an acceptable event. Safe to log: no payload text is included.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The payload exceeds `max_event_bytes`.
+    #[error("event of {size} bytes exceeds the limit of {limit} bytes")]
+    TooLarge {
+        /// Payload size.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The payload is not JSON (or not UTF-8, or nested too deeply).
+    #[error("invalid JSON at line {line} column {column}")]
+    InvalidJson {
+        /// 1-based line of the error.
+        line: usize,
+        /// 1-based column of the error.
+        column: usize,
+    },
+    /// The payload is JSON but not an object.
+    #[error("event is not a JSON object")]
+    NotAnObject,
+    /// A field has the wrong type (the position says where).
+    #[error("wrong field type at line {line} column {column}")]
+    WrongFieldType {
+        /// 1-based line of the error.
+        line: usize,
+        /// 1-based column of the error.
+        column: usize,
+    },
+    /// The event has no `type`.
+    #[error("event has no type")]
+    MissingType,
+    /// `meta.message_id` is absent or empty.
+    #[error("event has no meta.message_id")]
+    MissingMessageId,
+    /// A text event lacks the field that carries its text.
+    #[error("{kind} event has no {field}")]
+    MissingField {
+        /// The event type.
+        kind: &'static str,
+        /// The missing field.
+        field: &'static str,
+    },
+}
+
+impl DecodeError {
+    /// A short, stable reason code for headers and metric labels.
+    pub fn code(&self) -> &'static str {
+        match self {
+            DecodeError::TooLarge { .. } => "too_large",
+            DecodeError::InvalidJson { .. } => "invalid_json",
+            DecodeError::NotAnObject => "not_an_object",
+            DecodeError::WrongFieldType { .. } => "wrong_field_type",
+            DecodeError::MissingType => "missing_type",
+            DecodeError::MissingMessageId => "missing_message_id",
+            DecodeError::MissingField { .. } => "missing_field",
+        }
+    }
+}
+
+/// The identity of the stream an event belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StreamIdentity<'a> {
+    /// `meta.message_id`: the routing and partition key.
+    pub message_id: Cow<'a, str>,
+    /// The stream id (see the module documentation).
+    pub stream_id: Cow<'a, str>,
+    /// `meta.session_id`, or `meta.run_id` from older producers.
+    pub session_id: Cow<'a, str>,
+    /// `meta.inference_id`.
+    pub inference_id: Cow<'a, str>,
+    /// `meta.turn_id`.
+    pub turn_id: Cow<'a, str>,
+}
+
+/// What an event asks the pipeline to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventAction<'a> {
+    /// A text delta.
+    Delta(Cow<'a, str>),
+    /// The end of the stream, with the upstream's whole text when it sent one.
+    Finish {
+        /// The final text (`final.text`, `interrupt.text`, `text-segment-finished.text`).
+        text: Option<Cow<'a, str>>,
+        /// `stop_reason`/`finish_reason`, or `interrupt`/`error`.
+        reason: Cow<'a, str>,
+    },
+    /// Not a text event: forwarded unchanged to the pass-through subject when one is set.
+    PassThrough,
+}
+
+/// One decoded event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundEvent<'a> {
+    /// The event's `type` as sent.
+    pub kind: Cow<'a, str>,
+    /// Its stream.
+    pub stream: StreamIdentity<'a>,
+    /// What it asks for.
+    pub action: EventAction<'a>,
+}
+
+/// A string that borrows from the payload when it holds no escapes. (A plain `Option<Cow<str>>`
+/// field always allocates: serde borrows only a `Cow` it deserializes directly.)
+#[derive(Deserialize, Default)]
+#[serde(transparent)]
+struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
+
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    meta: Option<WireMeta<'a>>,
+    #[serde(borrow, default)]
+    correlation: Option<WireCorrelation<'a>>,
+    #[serde(borrow, default)]
+    delta: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Str<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+struct WireMeta<'a> {
+    #[serde(borrow, default)]
+    message_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    session_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    run_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    inference_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    turn_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    stop_reason: Option<Str<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+struct WireCorrelation<'a> {
+    #[serde(borrow, default)]
+    segment_id: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    provider_call_id: Option<Str<'a>>,
+}
+
+fn non_empty(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
+    v.map(|s| s.0).filter(|s| !s.is_empty())
+}
+
+fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
+    v.map(|s| s.0)
+}
+
+/// Decodes one event payload. `max_event_bytes` bounds the payload size.
+pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>, DecodeError> {
+    if payload.len() > max_event_bytes {
+        return Err(DecodeError::TooLarge { size: payload.len(), limit: max_event_bytes });
+    }
+    let wire: Wire<'_> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
+    let kind = non_empty(wire.kind).ok_or(DecodeError::MissingType)?;
+    let meta = wire.meta.unwrap_or_default();
+    let message_id = non_empty(meta.message_id).ok_or(DecodeError::MissingMessageId)?;
+    let correlation = wire.correlation.unwrap_or_default();
+    let stream_id = non_empty(correlation.segment_id)
+        .or_else(|| non_empty(correlation.provider_call_id))
+        .unwrap_or_else(|| message_id.clone());
+    let stream = StreamIdentity {
+        message_id,
+        stream_id,
+        session_id: non_empty(meta.session_id).or(cow(meta.run_id)).unwrap_or_default(),
+        inference_id: cow(meta.inference_id).unwrap_or_default(),
+        turn_id: cow(meta.turn_id).unwrap_or_default(),
+    };
+    let action = match kind.as_ref() {
+        "partial" | "text-delta" => EventAction::Delta(cow(wire.delta).ok_or(DecodeError::MissingField {
+            kind: if kind == "partial" { "partial" } else { "text-delta" },
+            field: "delta",
+        })?),
+        "final" => EventAction::Finish {
+            text: cow(wire.text),
+            reason: non_empty(meta.stop_reason).unwrap_or(Cow::Borrowed("stop")),
+        },
+        "text-segment-finished" => EventAction::Finish {
+            text: cow(wire.text),
+            reason: non_empty(wire.finish_reason).unwrap_or(Cow::Borrowed("stop")),
+        },
+        "interrupt" => EventAction::Finish { text: cow(wire.text), reason: Cow::Borrowed("interrupt") },
+        "error" => EventAction::Finish { text: None, reason: Cow::Borrowed("error") },
+        _ => EventAction::PassThrough,
+    };
+    Ok(InboundEvent { kind, stream, action })
+}
+
+/// Maps a serde error to a reason that quotes nothing from the payload.
+fn classify(payload: &[u8], e: &serde_json::Error) -> DecodeError {
+    let (line, column) = (e.line(), e.column());
+    match e.classify() {
+        serde_json::error::Category::Data => {
+            // A top-level value that is not an object fails as "invalid type" too; tell the two
+            // apart by the first non-blank byte.
+            match payload.iter().find(|b| !b.is_ascii_whitespace()) {
+                Some(b'{') => DecodeError::WrongFieldType { line, column },
+                _ => DecodeError::NotAnObject,
+            }
+        }
+        _ => DecodeError::InvalidJson { line, column },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MID: &str = "3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071";
+
+    #[test]
+    fn legacy_partial_with_go_escapes() {
+        let json = format!(
+            r#"{{"type":"partial","meta":{{"model":"m","message_id":"{MID}","run_id":"run-1","turn_id":"t"}},"delta":"\u003cx\u003e","completion":"c"}}"#
+        );
+        let ev = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert_eq!(ev.action, EventAction::Delta("<x>".into()));
+        assert_eq!(ev.stream.message_id, MID);
+        assert_eq!(ev.stream.stream_id, MID);
+        assert_eq!(ev.stream.session_id, "run-1");
+        assert_eq!(ev.stream.turn_id, "t");
+    }
+
+    #[test]
+    fn borrowed_when_no_escapes() {
+        let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"plain"}}"#);
+        let ev = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert!(matches!(ev.action, EventAction::Delta(Cow::Borrowed("plain"))));
+    }
+
+    #[test]
+    fn legacy_final_interrupt_error() {
+        let json = format!(
+            r#"{{"type":"final","meta":{{"stop_reason":"length","message_id":"{MID}","session_id":"s"}},"text":"Hello"}}"#
+        );
+        let ev = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert_eq!(ev.action, EventAction::Finish { text: Some("Hello".into()), reason: "length".into() });
+        assert_eq!(ev.stream.session_id, "s");
+        let json = format!(r#"{{"type":"interrupt","meta":{{"message_id":"{MID}"}},"text":"x"}}"#);
+        assert_eq!(
+            decode(json.as_bytes(), 1 << 20).unwrap().action,
+            EventAction::Finish { text: Some("x".into()), reason: "interrupt".into() }
+        );
+        let json = format!(r#"{{"type":"error","error":{{}},"meta":{{"message_id":"{MID}"}},"error_string":"boom"}}"#);
+        assert_eq!(
+            decode(json.as_bytes(), 1 << 20).unwrap().action,
+            EventAction::Finish { text: None, reason: "error".into() }
+        );
+    }
+
+    #[test]
+    fn canonical_vocabulary_uses_segment_then_provider_call() {
+        let json = format!(
+            r#"{{"type":"text-delta","meta":{{"message_id":"{MID}","session_id":"sess-1"}},"correlation":{{"session_id":"sess-1","run_id":"run-1","provider_call_id":"pc","segment_id":"seg"}},"delta":" suffix","text":"prefix  suffix","sequence":7}}"#
+        );
+        let ev = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert_eq!(ev.stream.stream_id, "seg");
+        assert_eq!(ev.action, EventAction::Delta(" suffix".into()));
+        let json = format!(
+            r#"{{"type":"text-segment-finished","meta":{{"message_id":"{MID}"}},"correlation":{{"provider_call_id":"pc"}},"text":"t","finish_reason":"stop"}}"#
+        );
+        let ev = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert_eq!(ev.stream.stream_id, "pc");
+        assert_eq!(ev.action, EventAction::Finish { text: Some("t".into()), reason: "stop".into() });
+    }
+
+    #[test]
+    fn other_types_pass_through() {
+        let json = format!(r#"{{"type":"tool-call","meta":{{"message_id":"{MID}"}},"tool_call":{{"id":"1"}}}}"#);
+        assert_eq!(decode(json.as_bytes(), 1 << 20).unwrap().action, EventAction::PassThrough);
+    }
+
+    #[test]
+    fn bad_input_is_named_without_quoting_it() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"not json at all SECRET", "invalid_json"),
+            (b"[1,2]", "not_an_object"),
+            (b"\"SECRET\"", "not_an_object"),
+            (br#"{"type":"partial","meta":{"message_id":"m"},"delta":5}"#, "wrong_field_type"),
+            (br#"{"type":"partial","meta":{"message_id":"m"}}"#, "missing_field"),
+            (br#"{"type":"partial","meta":{}}"#, "missing_message_id"),
+            (br#"{"type":"partial","meta":{"message_id":""},"delta":"x"}"#, "missing_message_id"),
+            (br#"{"meta":{"message_id":"m"}}"#, "missing_type"),
+            (br#"{"type":"partial","meta":{"message_id":"m"},"delta":"\ud800"}"#, "invalid_json"),
+            (b"\xff\xfe", "invalid_json"),
+        ];
+        for (payload, code) in cases {
+            let err = decode(payload, 1 << 20).unwrap_err();
+            assert_eq!(err.code(), *code, "{err}");
+            assert!(!err.to_string().contains("SECRET"));
+        }
+        // Deep nesting: skipped iteratively in unknown fields, refused in known ones.
+        let nest = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        let deep = format!(r#"{{"type":"partial","meta":{{"message_id":"m"}},"delta":"d","x":{}}}"#, nest(100_000));
+        assert!(decode(deep.as_bytes(), 1 << 20).is_ok());
+        let deep = format!(r#"{{"type":"partial","meta":{{"message_id":"m"}},"delta":{}}}"#, nest(100_000));
+        assert_eq!(decode(deep.as_bytes(), 1 << 20).unwrap_err().code(), "wrong_field_type");
+        assert_eq!(decode(b"{}", 1).unwrap_err(), DecodeError::TooLarge { size: 2, limit: 1 });
+    }
+}

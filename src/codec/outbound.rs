@@ -1,0 +1,389 @@
+//! Encoding of pipeline outputs as protobuf messages of schema v1, with their subjects.
+//!
+//! An [`OutputEncoder`] is built once from the registered tags and the configured subjects; it
+//! precomputes every subject so that encoding an output allocates only the message itself. A
+//! [`StreamHeader`] is built once per stream: it holds the stream's `StreamRef` already encoded,
+//! which is spliced into every message of the stream (protobuf merges fields, so a field appended
+//! to an encoded message is the same as one encoded with it).
+
+use std::sync::Arc;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message;
+use serde::{Deserialize, Serialize};
+
+use super::inbound::StreamIdentity;
+use super::proto;
+use super::subject::escape_token;
+use crate::pipeline::{Item, Output, OutputKind, Pipeline, TagKind};
+
+/// The subjects the service publishes to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutputSubjects {
+    /// Visible text (`FilteredText`).
+    pub filtered: String,
+    /// Prefix of the per-type block subjects: `<prefix>.<package>.<type>.<version>`, each part
+    /// escaped into one token (`.` becomes `%2E`).
+    pub structured_prefix: String,
+    /// Thinking text (`ThinkingText`).
+    pub thinking: String,
+    /// Tool calls (`ToolCall`).
+    pub tools: String,
+}
+
+impl Default for OutputSubjects {
+    fn default() -> Self {
+        OutputSubjects {
+            filtered: "chat.filtered".into(),
+            structured_prefix: "chat.structured".into(),
+            thinking: "chat.thinking".into(),
+            tools: "chat.tools".into(),
+        }
+    }
+}
+
+impl OutputSubjects {
+    /// Every subject (or subject pattern, for blocks) this configuration publishes to.
+    pub fn patterns(&self) -> Vec<String> {
+        vec![
+            self.filtered.clone(),
+            format!("{}.>", self.structured_prefix),
+            self.thinking.clone(),
+            self.tools.clone(),
+        ]
+    }
+}
+
+/// One message ready to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Publication {
+    /// Where it goes.
+    pub subject: Arc<str>,
+    /// The full protobuf name of the message type.
+    pub type_name: &'static str,
+    /// The encoded message.
+    pub payload: Bytes,
+    /// `<stream_id>:<seq>`: deterministic, so JetStream can drop replayed duplicates.
+    pub msg_id: String,
+}
+
+/// A stream's identity in the form every one of its messages needs.
+#[derive(Debug, Clone)]
+pub struct StreamHeader {
+    stream_id: Box<str>,
+    /// Field 1 (`stream`) of every output message, key and length included.
+    stream_field: Bytes,
+}
+
+impl StreamHeader {
+    /// Prepares the header of the stream `identity`.
+    pub fn new(identity: &StreamIdentity<'_>) -> Self {
+        let reference = proto::StreamRef {
+            message_id: identity.message_id.to_string(),
+            stream_id: identity.stream_id.to_string(),
+            session_id: identity.session_id.to_string(),
+            inference_id: identity.inference_id.to_string(),
+            turn_id: identity.turn_id.to_string(),
+        };
+        let mut field = BytesMut::with_capacity(reference.encoded_len() + 4);
+        prost::encoding::message::encode(1, &reference, &mut field);
+        StreamHeader { stream_id: identity.stream_id.as_ref().into(), stream_field: field.freeze() }
+    }
+
+    /// The stream id.
+    pub fn stream_id(&self) -> &str {
+        &self.stream_id
+    }
+
+    /// Heap bytes held (for memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.stream_id.len() + self.stream_field.len()
+    }
+
+    fn item_id(&self, item: Item) -> String {
+        format!("{}:{}", self.stream_id, item.number)
+    }
+}
+
+/// Per-tag facts the encoder needs.
+#[derive(Debug, Clone)]
+struct TagOut {
+    subject: Arc<str>,
+    tag_ref: Option<proto::TagRef>,
+    name: String,
+}
+
+/// Encodes outputs of any stream of one pipeline.
+#[derive(Debug, Clone)]
+pub struct OutputEncoder {
+    filtered: Arc<str>,
+    thinking: Arc<str>,
+    tools: Arc<str>,
+    tags: Vec<TagOut>,
+}
+
+impl OutputEncoder {
+    /// Precomputes subjects and tag references for `pipeline`'s tags.
+    pub fn new(pipeline: &Pipeline, subjects: &OutputSubjects) -> Self {
+        let tags = pipeline
+            .tags()
+            .iter()
+            .map(|t| {
+                let subject: Arc<str> = match (&t.spec.kind, &t.triple) {
+                    (TagKind::Block, Some(tr)) => format!(
+                        "{}.{}.{}.{}",
+                        subjects.structured_prefix,
+                        escape_token(&tr.package),
+                        escape_token(&tr.kind),
+                        escape_token(&tr.version)
+                    )
+                    .into(),
+                    (TagKind::ToolCall, _) => subjects.tools.as_str().into(),
+                    _ => subjects.thinking.as_str().into(),
+                };
+                TagOut {
+                    subject,
+                    tag_ref: t.triple.as_ref().map(|tr| proto::TagRef {
+                        package: tr.package.clone(),
+                        r#type: tr.kind.clone(),
+                        version: tr.version.clone(),
+                    }),
+                    name: t.spec.name.clone(),
+                }
+            })
+            .collect();
+        OutputEncoder {
+            filtered: subjects.filtered.as_str().into(),
+            thinking: subjects.thinking.as_str().into(),
+            tools: subjects.tools.as_str().into(),
+            tags,
+        }
+    }
+
+    /// The subject of block events of `tag` (by index), for documentation and tests.
+    pub fn block_subject(&self, tag: usize) -> Option<&str> {
+        self.tags.get(tag).map(|t| t.subject.as_ref())
+    }
+
+    /// Encodes one output of the stream `header`.
+    pub fn encode(&self, header: &StreamHeader, output: &Output<'_>) -> Publication {
+        let seq = output.seq;
+        let (subject, type_name, payload) = match &output.kind {
+            OutputKind::Text { delta, text, finish } => {
+                let msg = proto::FilteredText {
+                    stream: None,
+                    seq,
+                    delta: (*delta).to_owned(),
+                    text: text.unwrap_or_default().to_owned(),
+                    r#final: finish.is_some(),
+                    finish_reason: finish.map(|f| f.reason.to_owned()).unwrap_or_default(),
+                    text_omitted: finish.is_some_and(|f| f.text_omitted),
+                };
+                (self.filtered.clone(), proto::names::FILTERED_TEXT, splice(header, &msg))
+            }
+            OutputKind::BlockStarted { item } => {
+                self.block(header, seq, *item, proto::block_event::Event::Started(proto::BlockStarted {}))
+            }
+            OutputKind::BlockDelta { item, raw } => self.block(
+                header,
+                seq,
+                *item,
+                proto::block_event::Event::Delta(proto::BlockDelta { raw: (*raw).to_owned() }),
+            ),
+            OutputKind::BlockCompleted { item, raw, error } => self.block(
+                header,
+                seq,
+                *item,
+                proto::block_event::Event::Completed(proto::BlockCompleted {
+                    raw: (*raw).to_owned(),
+                    success: error.is_none(),
+                    error: error.unwrap_or_default().to_owned(),
+                    typed: None,
+                    value: None,
+                }),
+            ),
+            OutputKind::ThinkingStarted { item } => {
+                self.thinking(header, seq, *item, proto::thinking_text::Event::Started(proto::ThinkingStarted {}))
+            }
+            OutputKind::ThinkingDelta { item, text } => self.thinking(
+                header,
+                seq,
+                *item,
+                proto::thinking_text::Event::Delta(proto::ThinkingDelta { text: (*text).to_owned() }),
+            ),
+            OutputKind::ThinkingEnded { item, closed } => self.thinking(
+                header,
+                seq,
+                *item,
+                proto::thinking_text::Event::Ended(proto::ThinkingEnded { closed: *closed }),
+            ),
+            OutputKind::ToolCall { item, raw, call } => {
+                let mut msg = proto::ToolCall {
+                    stream: None,
+                    seq,
+                    item_id: header.item_id(*item),
+                    raw: (*raw).to_owned(),
+                    success: call.is_ok(),
+                    ..Default::default()
+                };
+                match call {
+                    Ok(call) => {
+                        msg.tool_name.clone_from(&call.tool_name);
+                        msg.server_name.clone_from(&call.server_name);
+                        msg.arguments = json_to_struct(&call.arguments);
+                    }
+                    Err(error) => msg.error = (*error).to_owned(),
+                }
+                (self.tools.clone(), proto::names::TOOL_CALL, splice(header, &msg))
+            }
+        };
+        Publication { subject, type_name, payload, msg_id: format!("{}:{}", header.stream_id, seq) }
+    }
+
+    fn block(
+        &self,
+        header: &StreamHeader,
+        seq: u64,
+        item: Item,
+        event: proto::block_event::Event,
+    ) -> (Arc<str>, &'static str, Bytes) {
+        let tag = &self.tags[usize::from(item.tag.0)];
+        let msg = proto::BlockEvent {
+            stream: None,
+            seq,
+            item_id: header.item_id(item),
+            tag: tag.tag_ref.clone(),
+            event: Some(event),
+        };
+        (tag.subject.clone(), proto::names::BLOCK_EVENT, splice(header, &msg))
+    }
+
+    fn thinking(
+        &self,
+        header: &StreamHeader,
+        seq: u64,
+        item: Item,
+        event: proto::thinking_text::Event,
+    ) -> (Arc<str>, &'static str, Bytes) {
+        let tag = &self.tags[usize::from(item.tag.0)];
+        let msg = proto::ThinkingText {
+            stream: None,
+            seq,
+            item_id: header.item_id(item),
+            tag: tag.name.clone(),
+            event: Some(event),
+        };
+        (self.thinking.clone(), proto::names::THINKING_TEXT, splice(header, &msg))
+    }
+}
+
+/// Encodes `msg` (whose `stream` field is unset) followed by the stream's field 1.
+fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
+    let mut buf = BytesMut::with_capacity(header.stream_field.len() + msg.encoded_len());
+    buf.put_slice(&header.stream_field);
+    msg.encode_raw(&mut buf);
+    buf.freeze()
+}
+
+/// Converts a JSON value into a `google.protobuf.Value`.
+pub fn json_to_value(v: &serde_json::Value) -> prost_types::Value {
+    use prost_types::value::Kind;
+    let kind = match v {
+        serde_json::Value::Null => Kind::NullValue(0),
+        serde_json::Value::Bool(b) => Kind::BoolValue(*b),
+        serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::String(s) => Kind::StringValue(s.clone()),
+        serde_json::Value::Array(a) => {
+            Kind::ListValue(prost_types::ListValue { values: a.iter().map(json_to_value).collect() })
+        }
+        serde_json::Value::Object(o) => Kind::StructValue(prost_types::Struct {
+            fields: o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect(),
+        }),
+    };
+    prost_types::Value { kind: Some(kind) }
+}
+
+/// Converts a JSON object into a `google.protobuf.Struct`; `None` for anything else.
+pub fn json_to_struct(v: &serde_json::Value) -> Option<prost_types::Struct> {
+    match json_to_value(v).kind {
+        Some(prost_types::value::Kind::StructValue(s)) => Some(s),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::{PipelineLimits, StreamState, TagSpec};
+    use std::borrow::Cow;
+
+    fn setup() -> (Pipeline, OutputEncoder, StreamHeader) {
+        let tags = vec![
+            TagSpec { name: "app:Mode.Switch:v1.2".into(), kind: TagKind::Block, max_capture_bytes: None },
+            TagSpec { name: "thinking".into(), kind: TagKind::Channel, max_capture_bytes: None },
+            TagSpec { name: "tool".into(), kind: TagKind::ToolCall, max_capture_bytes: None },
+        ];
+        let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
+        let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+        let identity = StreamIdentity {
+            message_id: Cow::Borrowed("m-1"),
+            stream_id: Cow::Borrowed("s-1"),
+            session_id: Cow::Borrowed("sess"),
+            ..Default::default()
+        };
+        (pipeline, encoder, StreamHeader::new(&identity))
+    }
+
+    #[test]
+    fn block_subject_escapes_dots_in_parts() {
+        let (_, encoder, _) = setup();
+        assert_eq!(encoder.block_subject(0), Some("chat.structured.app.Mode%2ESwitch.v1%2E2"));
+    }
+
+    #[test]
+    fn messages_decode_with_the_generated_types() {
+        let (mut pipeline, encoder, header) = setup();
+        let mut s = StreamState::new();
+        let mut pubs = Vec::new();
+        let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
+        pipeline.feed(
+            &mut s,
+            r#"hi <app:Mode.Switch:v1.2>k: v</app:Mode.Switch:v1.2><thinking>t</thinking><tool>{"tool_name":"x","arguments":{"a":1}}</tool>"#,
+            &mut sink,
+        );
+        pipeline.finish(&mut s, None, "stop", &mut sink);
+
+        let text = proto::FilteredText::decode(pubs[0].payload.clone()).unwrap();
+        assert_eq!(text.delta, "hi ");
+        assert_eq!(text.seq, 1);
+        let stream = text.stream.unwrap();
+        assert_eq!((stream.message_id.as_str(), stream.stream_id.as_str()), ("m-1", "s-1"));
+        assert_eq!(stream.session_id, "sess");
+        assert_eq!(pubs[0].msg_id, "s-1:1");
+
+        let completed = proto::BlockEvent::decode(pubs[3].payload.clone()).unwrap();
+        assert_eq!(pubs[3].subject.as_ref(), "chat.structured.app.Mode%2ESwitch.v1%2E2");
+        assert_eq!(completed.item_id, "s-1:1");
+        assert_eq!(completed.tag.unwrap().r#type, "Mode.Switch");
+        match completed.event {
+            Some(proto::block_event::Event::Completed(c)) => assert!(c.success && c.raw == "k: v"),
+            other => panic!("{other:?}"),
+        }
+
+        let think = proto::ThinkingText::decode(pubs[5].payload.clone()).unwrap();
+        assert_eq!(pubs[5].subject.as_ref(), "chat.thinking");
+        assert_eq!(think.tag, "thinking");
+
+        let tool = proto::ToolCall::decode(pubs[7].payload.clone()).unwrap();
+        assert_eq!(pubs[7].subject.as_ref(), "chat.tools");
+        assert_eq!((tool.tool_name.as_str(), tool.server_name.as_str(), tool.success), ("x", "local", true));
+        assert!(tool.arguments.unwrap().fields.contains_key("a"));
+
+        let last = proto::FilteredText::decode(pubs.last().unwrap().payload.clone()).unwrap();
+        assert!(last.r#final);
+        assert_eq!(last.text, "hi ");
+        assert_eq!(last.finish_reason, "stop");
+        assert_eq!(last.seq, pubs.len() as u64);
+    }
+}

@@ -1,0 +1,129 @@
+//! Subject names and the escaping of values that become subject tokens.
+//!
+//! A NATS subject is a list of tokens separated by `.`; a token may not be empty or contain `.`,
+//! `*`, `>` or whitespace. Values we put into a token (tag parts, message ids) are escaped so that
+//! they always stay exactly one token and the mapping can be reversed: every byte outside
+//! `[A-Za-z0-9_-]` is written as `%XX` (two upper-case hex digits). `%` itself becomes `%25`, so
+//! the escaping is unambiguous. Example: version `v1.2` becomes `v1%2E2`.
+
+use std::borrow::Cow;
+
+/// Whether `b` may appear unescaped in a token.
+fn is_plain(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'-'
+}
+
+/// Escapes `value` into one valid subject token (see the module documentation). An empty value
+/// becomes `%`, a token no escape can produce, so it is still a token.
+pub fn escape_token(value: &str) -> Cow<'_, str> {
+    if value.is_empty() {
+        return Cow::Borrowed("%");
+    }
+    if value.bytes().all(is_plain) {
+        return Cow::Borrowed(value);
+    }
+    let mut out = String::with_capacity(value.len() + 8);
+    for b in value.bytes() {
+        if is_plain(b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Reverses [`escape_token`]; `None` for a token it cannot have produced.
+pub fn unescape_token(token: &str) -> Option<String> {
+    if token == "%" {
+        return Some(String::new());
+    }
+    let bytes = token.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = token.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Whether `subject` is a valid subject to publish to: non-empty tokens, no wildcards, no
+/// whitespace.
+pub fn is_valid_publish_subject(subject: &str) -> bool {
+    !subject.is_empty()
+        && subject
+            .split('.')
+            .all(|t| !t.is_empty() && t != "*" && t != ">" && !t.bytes().any(|b| b.is_ascii_whitespace()))
+}
+
+/// Whether a subscription `pattern` (which may hold `*` and a final `>`) matches `subject`.
+pub fn pattern_matches(pattern: &str, subject: &str) -> bool {
+    let mut subject_tokens = subject.split('.');
+    for p in pattern.split('.') {
+        match (p, subject_tokens.next()) {
+            (">", Some(_)) => return true,
+            (_, None) => return false,
+            ("*", Some(_)) => {}
+            (p, Some(s)) if p == s => {}
+            _ => return false,
+        }
+    }
+    subject_tokens.next().is_none()
+}
+
+/// Whether two subscription patterns can match a common subject (used to refuse input subjects
+/// that would receive the service's own output).
+pub fn patterns_overlap(a: &str, b: &str) -> bool {
+    let (mut ta, mut tb) = (a.split('.'), b.split('.'));
+    loop {
+        match (ta.next(), tb.next()) {
+            (Some(">"), Some(_)) | (Some(_), Some(">")) => return true,
+            (None, None) => return true,
+            (None, _) | (_, None) => return false,
+            (Some(x), Some(y)) if x == "*" || y == "*" || x == y => {}
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_tokens_are_kept() {
+        assert_eq!(escape_token("agent_mode-switch9"), "agent_mode-switch9");
+    }
+
+    #[test]
+    fn dots_wildcards_spaces_and_percent_are_escaped_reversibly() {
+        for v in ["v1.2", "a*b", "a>b", "a b", "50%", "", "é", "x.y.z"] {
+            let e = escape_token(v);
+            assert!(!e.contains('.') && !e.contains('*') && !e.contains('>') && !e.contains(' '), "{e}");
+            assert!(is_valid_publish_subject(&format!("chat.{e}")), "{e}");
+            assert_eq!(unescape_token(&e).as_deref(), Some(v));
+        }
+        assert_eq!(escape_token("v1.2"), "v1%2E2");
+        assert_ne!(escape_token("a.b"), escape_token("a%2Eb"));
+    }
+
+    #[test]
+    fn subject_patterns() {
+        assert!(pattern_matches("chat.*", "chat.x"));
+        assert!(pattern_matches("chat.>", "chat.x.y"));
+        assert!(!pattern_matches("chat.*", "chat.x.y"));
+        assert!(!pattern_matches("chat", "chat.filtered"));
+        assert!(patterns_overlap("chat.>", "chat.filtered"));
+        assert!(patterns_overlap("*.filtered", "chat.filtered"));
+        assert!(patterns_overlap(">", "chat.structured.a.b.c"));
+        assert!(!patterns_overlap("chat", "chat.filtered"));
+        assert!(!patterns_overlap("chat.raw.*", "chat.filtered"));
+    }
+}
