@@ -14,6 +14,9 @@
 
 pub mod bus;
 pub mod codec;
-pub mod pipeline;
-pub mod scanner;
+pub mod config;
 pub mod payload;
+pub mod pipeline;
+pub mod replay;
+pub mod scanner;
+pub mod shard;

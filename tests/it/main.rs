@@ -1,3 +1,5 @@
-//! Integration tests: one binary, one module per area, each against a real nats-server.
+//! Integration tests: one binary, one module per area. Tests that need NATS start their own
+//! `nats-server` on a random port (see `support`).
 
+mod replay;
 mod support;

@@ -1,0 +1,543 @@
+//! The one typed configuration tree, its defaults, its layering and its validation.
+//!
+//! Layers, later wins: built-in defaults → an optional TOML file → environment variables
+//! `STRUCTURED_SINK__SECTION__KEY` → command-line `--set section.key=value` flags. Every field's
+//! `///` doc is the operator's documentation (the README's configuration reference mirrors it).
+//! Unknown keys and invalid values stop start-up with an error that names the key.
+//!
+//! This module knows the shape of the settings and how they combine; it knows nothing of how they
+//! are used.
+
+use std::path::Path;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::bus::NatsConfig;
+use crate::codec::outbound::OutputSubjects;
+use crate::codec::subject::{is_valid_publish_subject, patterns_overlap};
+use crate::pipeline::{CumulativeText, MalformedPolicy, PipelineLimits, TagKind, TagSpec};
+
+/// The prefix of environment variables; `__` separates nested keys.
+pub const ENV_PREFIX: &str = "STRUCTURED_SINK__";
+
+/// Why the configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// A layer could not be read or a key is unknown or of the wrong type (figment names the key
+    /// and the layer it came from).
+    #[error("configuration: {0}")]
+    Load(#[from] Box<figment::Error>),
+    /// A value is out of range or inconsistent with another.
+    #[error("configuration key `{key}`: {reason}")]
+    Invalid {
+        /// The dotted key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid { key: key.into(), reason: reason.into() }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Connection to NATS.
+    pub nats: NatsConfig,
+    /// What the service consumes.
+    pub input: InputConfig,
+    /// What the service publishes.
+    pub output: OutputConfig,
+    /// Stream-wide filtering rules and limits.
+    pub pipeline: PipelineConfig,
+    /// The registered tags. This list replaces the default list as a whole: to disable a default
+    /// tag (thinking, tool calls), leave it out.
+    pub tags: Vec<TagConfig>,
+    /// Per-stream state and its workers.
+    pub shards: ShardConfig,
+    /// Metrics and health endpoints.
+    pub http: HttpConfig,
+    /// Logs and traces.
+    pub telemetry: TelemetryConfig,
+    /// Process lifecycle.
+    pub service: ServiceConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            nats: NatsConfig::default(),
+            input: InputConfig::default(),
+            output: OutputConfig::default(),
+            pipeline: PipelineConfig::default(),
+            tags: default_tags(),
+            shards: ShardConfig::default(),
+            http: HttpConfig::default(),
+            telemetry: TelemetryConfig::default(),
+            service: ServiceConfig::default(),
+        }
+    }
+}
+
+/// The tags registered when the configuration names none.
+pub fn default_tags() -> Vec<TagConfig> {
+    let tag = |name: &str, kind| TagConfig { name: name.into(), kind, max_capture_bytes: None };
+    vec![
+        tag("thinking", TagKind::Channel),
+        tag("think", TagKind::Channel),
+        tag("tool", TagKind::ToolCall),
+        tag("geppetto:citations:v1", TagKind::Block),
+        tag("pinocchio:agent_mode_switch:v1", TagKind::Block),
+    ]
+}
+
+/// What the service consumes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InputConfig {
+    /// Subjects (patterns allowed) carrying geppetto event JSON, one event per message. They may
+    /// not overlap the service's own output subjects.
+    pub subjects: Vec<String>,
+    /// Events larger than this are dead-lettered with reason `too_large`.
+    pub max_event_bytes: usize,
+    /// Where events that are not text (tool calls, usage, logs, ...) are forwarded unchanged.
+    /// Empty: they are dropped (and counted).
+    pub pass_through_subject: String,
+    /// Where undecodable events go, unchanged, with a `Structured-Sink-Error` header.
+    pub dead_letter_subject: String,
+}
+
+impl Default for InputConfig {
+    fn default() -> Self {
+        InputConfig {
+            subjects: vec!["chat".into()],
+            max_event_bytes: 1024 * 1024,
+            pass_through_subject: String::new(),
+            dead_letter_subject: "chat.dlq".into(),
+        }
+    }
+}
+
+/// How outputs are encoded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutputFormat {
+    /// Schema v1 protobuf messages (`proto/structuredsink/v1`).
+    #[default]
+    Protobuf,
+    /// The filtered text re-encoded as geppetto event JSON (`partial`/`final` or the canonical
+    /// names, whichever the stream used), so an existing geppetto UI only changes its subject.
+    GeppettoJson,
+}
+
+/// What the service publishes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutputConfig {
+    /// `protobuf` or `geppetto-json`.
+    pub format: OutputFormat,
+    /// The subjects published to.
+    pub subjects: OutputSubjects,
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        OutputConfig { format: OutputFormat::Protobuf, subjects: OutputSubjects::default() }
+    }
+}
+
+/// Stream-wide filtering rules and limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineConfig {
+    /// What happens to a block still open at the end of its stream: `drop` removes its text,
+    /// `restore` puts the open tag and captured bytes back into the visible text. Either way the
+    /// block completes with `success=false`.
+    pub malformed: MalformedPolicy,
+    /// Payload bytes captured per block (overridable per tag). At the limit the block completes
+    /// with `success=false` and the rest of it is dropped; the stream continues after its close
+    /// tag.
+    pub max_capture_bytes: usize,
+    /// Decode `\n`, `\"`, `\uXXXX`, ... in deltas before scanning, for upstreams that
+    /// double-escape text.
+    pub unescape_text: bool,
+    /// When the whole visible text is attached to `FilteredText.text`: `final` (default),
+    /// `every` message (quadratic bandwidth), or `never` (nothing is retained).
+    pub cumulative_text: CumulativeText,
+    /// Visible text retained per stream for `text`; beyond it the final reports `text_omitted`.
+    pub max_text_bytes: usize,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        let limits = PipelineLimits::default();
+        PipelineConfig {
+            malformed: limits.malformed,
+            max_capture_bytes: limits.max_capture_bytes,
+            unescape_text: limits.unescape_text,
+            cumulative_text: limits.cumulative_text,
+            max_text_bytes: limits.max_text_bytes,
+        }
+    }
+}
+
+impl PipelineConfig {
+    /// The core's view of these settings.
+    pub fn limits(&self) -> PipelineLimits {
+        PipelineLimits {
+            max_capture_bytes: self.max_capture_bytes,
+            max_text_bytes: self.max_text_bytes,
+            malformed: self.malformed,
+            unescape_text: self.unescape_text,
+            cumulative_text: self.cumulative_text,
+        }
+    }
+}
+
+/// One registered tag.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TagConfig {
+    /// The text between `<` and `>`: `package:type:version` for blocks (three non-empty parts of
+    /// `[A-Za-z0-9_.-]`), a plain word such as `thinking` or `tool` otherwise.
+    pub name: String,
+    /// `block`, `channel` (thinking text) or `tool_call`.
+    pub kind: TagKind,
+    /// Overrides `pipeline.max_capture_bytes` for this tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_capture_bytes: Option<usize>,
+}
+
+impl TagConfig {
+    /// The core's view of this tag.
+    pub fn spec(&self) -> TagSpec {
+        TagSpec { name: self.name.clone(), kind: self.kind, max_capture_bytes: self.max_capture_bytes }
+    }
+}
+
+/// Per-stream state and the workers that own it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShardConfig {
+    /// Worker tasks, each owning the streams whose message id hashes to it. 0 means one per CPU.
+    pub count: usize,
+    /// Events queued per worker. When full, the subscription waits (backpressure reaches the
+    /// NATS client's buffer, whose overflow is logged and counted as a slow consumer).
+    pub inbox_capacity: usize,
+    /// A stream with no event for this long is closed with reason `expired`.
+    pub idle_timeout_ms: u64,
+    /// Open streams per replica. Above it the longest-idle stream is closed with reason
+    /// `evicted`.
+    pub max_streams: usize,
+    /// How often workers look for idle streams.
+    pub expiry_tick_ms: u64,
+    /// Ids of recently finished streams remembered per replica, so that late events for them are
+    /// dead-lettered instead of starting a new stream with duplicate sequence numbers.
+    pub finished_memory: usize,
+}
+
+impl Default for ShardConfig {
+    fn default() -> Self {
+        ShardConfig {
+            count: 0,
+            inbox_capacity: 1024,
+            idle_timeout_ms: 5 * 60 * 1000,
+            max_streams: 100_000,
+            expiry_tick_ms: 1000,
+            finished_memory: 10_000,
+        }
+    }
+}
+
+/// Metrics and health endpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Serve `/metrics`, `/healthz` and `/readyz`.
+    pub enabled: bool,
+    /// Address to listen on.
+    pub listen: String,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig { enabled: true, listen: "0.0.0.0:9464".into() }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logs and traces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// `text` or `json`.
+    pub log_format: LogFormat,
+    /// An env-filter directive such as `info` or `structured_sink=debug`; `RUST_LOG` wins when set.
+    pub log_filter: String,
+    /// OTLP/HTTP endpoint for traces, such as `http://collector:4318`. Empty: tracing to OTLP
+    /// is off.
+    pub otlp_endpoint: String,
+    /// `service.name` of exported spans.
+    pub service_name: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            log_format: LogFormat::Text,
+            log_filter: "info".into(),
+            otlp_endpoint: String::new(),
+            service_name: "structured-sink".into(),
+        }
+    }
+}
+
+/// Process lifecycle.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServiceConfig {
+    /// How long a graceful shutdown may take (drain input, close streams, flush) before the
+    /// process exits anyway.
+    pub shutdown_timeout_ms: u64,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig { shutdown_timeout_ms: 10_000 }
+    }
+}
+
+impl Config {
+    /// Loads defaults, then `file` (when given), then the environment, then `overrides`
+    /// (`section.key=value`, the value in TOML syntax, or a bare string), and validates.
+    pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+        Self::figment(file, overrides)?.extract::<Config>().map_err(Box::new)?.validated()
+    }
+
+    /// The layered figment, before extraction.
+    pub fn figment(file: Option<&Path>, overrides: &[String]) -> Result<Figment, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(file) = file {
+            if !file.exists() {
+                return Err(ConfigError::invalid("--config", format!("file {} does not exist", file.display())));
+            }
+            figment = figment.merge(Toml::file_exact(file));
+        }
+        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
+        for item in overrides {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| ConfigError::invalid(item.clone(), "expected --set section.key=value"))?;
+            // The value is TOML (`42`, `true`, `"x"`, `["a", "b"]`), or else a bare string.
+            let value = toml::from_str::<toml::Table>(&format!("v = {value}"))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or_else(|| toml::Value::String(value.to_owned()));
+            figment = figment.merge(Serialized::global(key.trim(), value));
+        }
+        Ok(figment)
+    }
+
+    /// Checks ranges and cross-field rules that serde cannot express.
+    pub fn validated(self) -> Result<Config, ConfigError> {
+        self.nats.validate().map_err(|e| ConfigError::invalid("nats", e.to_string()))?;
+        if self.input.subjects.is_empty() {
+            return Err(ConfigError::invalid("input.subjects", "at least one subject is required"));
+        }
+        if self.input.max_event_bytes == 0 {
+            return Err(ConfigError::invalid("input.max_event_bytes", "must be greater than 0"));
+        }
+        let outputs = self.output_patterns();
+        for (key, subject) in [
+            ("output.subjects.filtered", &self.output.subjects.filtered),
+            ("output.subjects.thinking", &self.output.subjects.thinking),
+            ("output.subjects.tools", &self.output.subjects.tools),
+            ("output.subjects.structured_prefix", &self.output.subjects.structured_prefix),
+            ("input.dead_letter_subject", &self.input.dead_letter_subject),
+        ] {
+            if !is_valid_publish_subject(subject) {
+                return Err(ConfigError::invalid(key, format!("{subject:?} is not a valid subject to publish to")));
+            }
+        }
+        if !self.input.pass_through_subject.is_empty() && !is_valid_publish_subject(&self.input.pass_through_subject)
+        {
+            return Err(ConfigError::invalid("input.pass_through_subject", "not a valid subject to publish to"));
+        }
+        for input in &self.input.subjects {
+            if let Some(out) = outputs.iter().find(|o| patterns_overlap(input, o)) {
+                return Err(ConfigError::invalid(
+                    "input.subjects",
+                    format!("{input:?} would receive the service's own output {out:?} (a feedback loop)"),
+                ));
+            }
+        }
+        if self.pipeline.max_capture_bytes == 0 {
+            return Err(ConfigError::invalid("pipeline.max_capture_bytes", "must be greater than 0"));
+        }
+        if self.shards.inbox_capacity == 0 {
+            return Err(ConfigError::invalid("shards.inbox_capacity", "must be greater than 0"));
+        }
+        if self.shards.max_streams == 0 {
+            return Err(ConfigError::invalid("shards.max_streams", "must be greater than 0"));
+        }
+        if self.shards.idle_timeout_ms == 0 || self.shards.expiry_tick_ms == 0 {
+            return Err(ConfigError::invalid("shards.idle_timeout_ms", "timeouts must be greater than 0"));
+        }
+        crate::pipeline::Pipeline::new(self.tag_specs(), self.pipeline.limits())
+            .map_err(|e| ConfigError::invalid("tags", e.to_string()))?;
+        Ok(self)
+    }
+
+    /// Every subject or pattern the service publishes to.
+    pub fn output_patterns(&self) -> Vec<String> {
+        let mut out = self.output.subjects.patterns();
+        out.push(self.input.dead_letter_subject.clone());
+        if !self.input.pass_through_subject.is_empty() {
+            out.push(self.input.pass_through_subject.clone());
+        }
+        out
+    }
+
+    /// The core's view of the registered tags.
+    pub fn tag_specs(&self) -> Vec<TagSpec> {
+        self.tags.iter().map(TagConfig::spec).collect()
+    }
+
+    /// The effective number of shard workers.
+    pub fn shard_count(&self) -> usize {
+        match self.shards.count {
+            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            n => n,
+        }
+    }
+
+    /// This configuration as TOML, with secrets masked, for `structured-sink config`.
+    pub fn to_masked_toml(&self) -> String {
+        let mut masked = self.clone();
+        masked.nats = self.nats.masked();
+        toml::to_string_pretty(&masked).unwrap_or_else(|e| format!("# cannot print the configuration: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use figment::Jail;
+
+    #[test]
+    fn defaults_are_valid() {
+        Jail::expect_with(|_| {
+            let c = Config::load(None, &[]).unwrap();
+            assert_eq!(c.input.subjects, vec!["chat".to_owned()]);
+            assert_eq!(c.pipeline.max_capture_bytes, 1 << 20);
+            assert_eq!(c.tags.len(), 5);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn file_then_env_then_flags() {
+        Jail::expect_with(|jail| {
+            jail.create_file(
+                "c.toml",
+                r#"
+                [pipeline]
+                malformed = "restore"
+                max_capture_bytes = 100
+                unescape_text = true
+
+                [[tags]]
+                name = "core:x:v1"
+                kind = "block"
+                [[tags]]
+                name = "thinking"
+                kind = "channel"
+                "#,
+            )?;
+            jail.set_env("STRUCTURED_SINK__PIPELINE__MAX_CAPTURE_BYTES", "200");
+            jail.set_env("STRUCTURED_SINK__SHARDS__COUNT", "3");
+            let c = Config::load(Some(Path::new("c.toml")), &["shards.count=5".into()]).unwrap();
+            assert_eq!(c.pipeline.malformed, MalformedPolicy::Restore);
+            assert!(c.pipeline.unescape_text);
+            assert_eq!(c.pipeline.max_capture_bytes, 200, "env beats file");
+            assert_eq!(c.shards.count, 5, "flags beat env");
+            assert_eq!(c.tags.len(), 2, "a tag list replaces the defaults");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "[pipeline]\nmax_capture_byte = 5\n")?;
+            let err = Config::load(Some(Path::new("c.toml")), &[]).unwrap_err().to_string();
+            assert!(err.contains("max_capture_byte"), "{err}");
+            jail.create_file("d.toml", "[pipelin]\nx = 1\n")?;
+            let err = Config::load(Some(Path::new("d.toml")), &[]).unwrap_err().to_string();
+            assert!(err.contains("pipelin"), "{err}");
+            jail.set_env("STRUCTURED_SINK__SHARDS__BOGUS", "1");
+            let err = Config::load(None, &[]).unwrap_err().to_string();
+            assert!(err.contains("bogus"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn invalid_values_are_named() {
+        Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "[pipeline]\nmalformed = \"keep\"\n")?;
+            let err = Config::load(Some(Path::new("c.toml")), &[]).unwrap_err().to_string();
+            assert!(err.contains("malformed"), "{err}");
+            jail.create_file("d.toml", "[[tags]]\nname = \"a:b\"\nkind = \"block\"\n")?;
+            let err = Config::load(Some(Path::new("d.toml")), &[]).unwrap_err().to_string();
+            assert!(err.contains("tags") && err.contains("a:b"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn feedback_loops_are_refused() {
+        Jail::expect_with(|_| {
+            for input in ["chat.>", ">", "chat.filtered", "*.tools", "chat.structured.*.*.*"] {
+                let err = Config::load(None, &[format!("input.subjects=[\"{input}\"]")]).unwrap_err().to_string();
+                assert!(err.contains("input.subjects") && err.contains("feedback"), "{input}: {err}");
+            }
+            assert!(Config::load(None, &["input.subjects=[\"chat.raw.*\"]".into()]).is_ok());
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn printed_config_masks_secrets_and_reloads() {
+        Jail::expect_with(|jail| {
+            jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "s3cr3t-token");
+            let c = Config::load(None, &[]).unwrap();
+            let printed = c.to_masked_toml();
+            assert!(!printed.contains("s3cr3t-token"), "{printed}");
+            assert!(printed.contains("[pipeline]"));
+            jail.clear_env();
+            jail.create_file("printed.toml", &printed)?;
+            let reloaded = Config::load(Some(Path::new("printed.toml")), &[]).unwrap();
+            assert_eq!(reloaded.pipeline, c.pipeline);
+            assert_eq!(reloaded.tags, c.tags);
+            Ok(())
+        });
+    }
+}

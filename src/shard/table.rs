@@ -1,0 +1,199 @@
+//! One shard's streams: the map from stream id to pipeline state, in least-recently-used order.
+//!
+//! It owns the open streams, applies decoded events to them through the shared [`Pipeline`], and
+//! encodes every output with the [`OutputEncoder`] into a caller-provided sink, in stream order.
+//! Bounds: at most `max_streams` open streams (the longest idle is closed first, reason
+//! `evicted`), streams idle for `idle_timeout` are closed on [`StreamTable::expire`] (reason
+//! `expired`), and the last `finished_memory` finished stream ids are remembered so that a late
+//! event for one of them is reported instead of starting a new stream whose sequence numbers
+//! would repeat. It knows nothing of tokio, NATS or wire bytes.
+
+use std::time::{Duration, Instant};
+
+use hashlink::{LinkedHashMap, LinkedHashSet};
+
+use crate::codec::inbound::{EventAction, InboundEvent};
+use crate::codec::outbound::{OutputEncoder, Publication, StreamHeader};
+use crate::pipeline::{Output, Pipeline, PipelineStats, StreamState};
+
+/// Bounds of a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableLimits {
+    /// A stream idle this long is closed by [`StreamTable::expire`].
+    pub idle_timeout: Duration,
+    /// Open streams; above it the longest-idle one is closed.
+    pub max_streams: usize,
+    /// Finished stream ids remembered for late-event detection.
+    pub finished_memory: usize,
+}
+
+/// What happened to an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// It was a text event and went through the pipeline.
+    Applied,
+    /// Not a text event: the caller forwards it unchanged.
+    PassThrough,
+    /// A text event for a stream that already finished: nothing was emitted.
+    Late,
+}
+
+/// Counters of a table since creation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableStats {
+    /// Streams opened.
+    pub opened: u64,
+    /// Streams closed by their own final, interrupt or error event.
+    pub finished: u64,
+    /// Streams closed for being idle.
+    pub expired: u64,
+    /// Streams closed to stay under `max_streams`.
+    pub evicted: u64,
+    /// Streams closed by [`StreamTable::close_all`].
+    pub closed_at_shutdown: u64,
+    /// Events for streams that had finished.
+    pub late_events: u64,
+}
+
+struct OpenStream {
+    state: StreamState,
+    header: StreamHeader,
+    last_seen: Instant,
+}
+
+/// One shard's streams.
+pub struct StreamTable {
+    pipeline: Pipeline,
+    encoder: OutputEncoder,
+    limits: TableLimits,
+    /// Open streams, least recently used first.
+    streams: LinkedHashMap<Box<str>, OpenStream>,
+    /// Recently finished stream ids, oldest first.
+    finished: LinkedHashSet<Box<str>>,
+    stats: TableStats,
+}
+
+impl StreamTable {
+    /// An empty table.
+    pub fn new(pipeline: Pipeline, encoder: OutputEncoder, limits: TableLimits) -> Self {
+        StreamTable {
+            pipeline,
+            encoder,
+            limits,
+            streams: LinkedHashMap::new(),
+            finished: LinkedHashSet::new(),
+            stats: TableStats::default(),
+        }
+    }
+
+    /// Open streams.
+    pub fn len(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Whether no stream is open.
+    pub fn is_empty(&self) -> bool {
+        self.streams.is_empty()
+    }
+
+    /// The table's counters.
+    pub fn stats(&self) -> TableStats {
+        self.stats
+    }
+
+    /// The pipeline's counters.
+    pub fn pipeline_stats(&self) -> PipelineStats {
+        self.pipeline.stats()
+    }
+
+    /// Bytes held on the heap by open streams (payloads, retained text, held bytes, headers).
+    pub fn heap_bytes(&self) -> usize {
+        self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum()
+    }
+
+    /// Applies one decoded event at `now`; its outputs go to `sink` in stream order.
+    pub fn apply(&mut self, event: &InboundEvent<'_>, now: Instant, sink: &mut impl FnMut(Publication)) -> Disposition {
+        let stream_id = event.stream.stream_id.as_ref();
+        match &event.action {
+            EventAction::PassThrough => Disposition::PassThrough,
+            _ if self.finished.contains(stream_id) => {
+                self.stats.late_events += 1;
+                Disposition::Late
+            }
+            EventAction::Delta(delta) => {
+                self.ensure_open(event, now, sink);
+                let (pipeline, encoder) = (&mut self.pipeline, &self.encoder);
+                let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
+                open.last_seen = now;
+                let header = &open.header;
+                pipeline.feed(&mut open.state, delta, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
+                Disposition::Applied
+            }
+            EventAction::Finish { text, reason } => {
+                self.ensure_open(event, now, sink);
+                let open = self.streams.remove(stream_id).expect("ensure_open opened it");
+                self.stats.finished += 1;
+                self.close(stream_id.into(), open, text.as_deref(), reason, sink);
+                Disposition::Applied
+            }
+        }
+    }
+
+    /// Closes every stream idle since before `now - idle_timeout`, with reason `expired`.
+    /// Returns how many were closed. Work is proportional to the streams closed.
+    pub fn expire(&mut self, now: Instant, sink: &mut impl FnMut(Publication)) -> usize {
+        let mut closed = 0;
+        while let Some((_, oldest)) = self.streams.front() {
+            if now.saturating_duration_since(oldest.last_seen) < self.limits.idle_timeout {
+                break;
+            }
+            let (id, open) = self.streams.pop_front().expect("front exists");
+            self.stats.expired += 1;
+            self.close(id, open, None, "expired", sink);
+            closed += 1;
+        }
+        closed
+    }
+
+    /// Closes every open stream with `reason` (shutdown), oldest first.
+    pub fn close_all(&mut self, reason: &str, sink: &mut impl FnMut(Publication)) {
+        while let Some((id, open)) = self.streams.pop_front() {
+            self.stats.closed_at_shutdown += 1;
+            self.close(id, open, None, reason, sink);
+        }
+    }
+
+    /// Makes sure the event's stream is open and most recently used, evicting if needed.
+    fn ensure_open(&mut self, event: &InboundEvent<'_>, now: Instant, sink: &mut impl FnMut(Publication)) {
+        let stream_id = event.stream.stream_id.as_ref();
+        if self.streams.to_back(stream_id).is_some() {
+            return;
+        }
+        while self.streams.len() >= self.limits.max_streams {
+            let Some((id, open)) = self.streams.pop_front() else { break };
+            self.stats.evicted += 1;
+            self.close(id, open, None, "evicted", sink);
+        }
+        self.stats.opened += 1;
+        let open = OpenStream { state: StreamState::new(), header: StreamHeader::new(&event.stream), last_seen: now };
+        self.streams.insert(stream_id.into(), open);
+    }
+
+    fn close(
+        &mut self,
+        id: Box<str>,
+        mut open: OpenStream,
+        final_text: Option<&str>,
+        reason: &str,
+        sink: &mut impl FnMut(Publication),
+    ) {
+        let (pipeline, encoder, header) = (&mut self.pipeline, &self.encoder, &open.header);
+        pipeline.finish(&mut open.state, final_text, reason, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
+        if self.limits.finished_memory > 0 {
+            if self.finished.len() >= self.limits.finished_memory {
+                self.finished.pop_front();
+            }
+            self.finished.insert(id);
+        }
+    }
+}
