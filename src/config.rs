@@ -376,8 +376,7 @@ impl Config {
                 return Err(ConfigError::invalid(key, format!("{subject:?} is not a valid subject to publish to")));
             }
         }
-        if !self.input.pass_through_subject.is_empty() && !is_valid_publish_subject(&self.input.pass_through_subject)
-        {
+        if !self.input.pass_through_subject.is_empty() && !is_valid_publish_subject(&self.input.pass_through_subject) {
             return Err(ConfigError::invalid("input.pass_through_subject", "not a valid subject to publish to"));
         }
         for input in &self.input.subjects {
@@ -437,6 +436,8 @@ impl Config {
 }
 
 #[cfg(test)]
+// figment's `Jail` closures return its own (large) error type.
+#[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
     use figment::Jail;

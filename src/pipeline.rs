@@ -587,7 +587,9 @@ impl<'a, S: Emit> Driver<'a, S> {
                 let text = every.then_some(progress.visible.as_str());
                 OutputKind::Text { delta: self.pending, text, finish: None }
             }
-            Some(Capture { item, kind: TagKind::Block, .. }) => OutputKind::BlockDelta { item: *item, raw: self.pending },
+            Some(Capture { item, kind: TagKind::Block, .. }) => {
+                OutputKind::BlockDelta { item: *item, raw: self.pending }
+            }
             Some(Capture { item, kind: TagKind::Channel, .. }) => {
                 OutputKind::ThinkingDelta { item: *item, text: self.pending }
             }
@@ -745,9 +747,8 @@ fn parse_tool_call(raw: &str) -> Result<ToolInvocation, String> {
         arguments: Option<serde_json::Value>,
     }
     // The serde message names the position, never the input.
-    let wire: Wire = serde_json::from_str(raw.trim()).map_err(|e| {
-        format!("invalid tool call JSON at line {} column {}: {}", e.line(), e.column(), category(&e))
-    })?;
+    let wire: Wire = serde_json::from_str(raw.trim())
+        .map_err(|e| format!("invalid tool call JSON at line {} column {}: {}", e.line(), e.column(), category(&e)))?;
     let arguments = match wire.arguments {
         None | Some(serde_json::Value::Null) => serde_json::Value::Object(serde_json::Map::new()),
         Some(v @ serde_json::Value::Object(_)) => v,

@@ -37,7 +37,12 @@ pub struct ReplaySummary {
 }
 
 /// Replays `input` under `config`, writing messages to `out` and problems to `err`.
-pub fn replay(config: &Config, input: impl BufRead, mut out: impl Write, mut err: impl Write) -> io::Result<ReplaySummary> {
+pub fn replay(
+    config: &Config,
+    input: impl BufRead,
+    mut out: impl Write,
+    mut err: impl Write,
+) -> io::Result<ReplaySummary> {
     let pipeline = Pipeline::new(config.tag_specs(), config.pipeline.limits())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
     let encoder = OutputEncoder::new(&pipeline, &config.output.subjects);

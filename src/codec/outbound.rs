@@ -46,12 +46,7 @@ impl Default for OutputSubjects {
 impl OutputSubjects {
     /// Every subject (or subject pattern, for blocks) this configuration publishes to.
     pub fn patterns(&self) -> Vec<String> {
-        vec![
-            self.filtered.clone(),
-            format!("{}.>", self.structured_prefix),
-            self.thinking.clone(),
-            self.tools.clone(),
-        ]
+        vec![self.filtered.clone(), format!("{}.>", self.structured_prefix), self.thinking.clone(), self.tools.clone()]
     }
 }
 

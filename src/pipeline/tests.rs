@@ -175,10 +175,7 @@ fn tool_calls_parse_in_order_with_defaults_and_errors() {
         r#"<tool>{"tool_name":"search","arguments":{"q":"</tool>"}}</tool>"#,
         r#"<tool>{"tool_name":"fetch","server_name":"web","arguments":{}}</tool><tool>not json</tool>"#,
     ]);
-    assert_eq!(
-        out[0],
-        Rec::Tool(1, Ok(("search".into(), "local".into(), serde_json::json!({"q": "</tool>"}))))
-    );
+    assert_eq!(out[0], Rec::Tool(1, Ok(("search".into(), "local".into(), serde_json::json!({"q": "</tool>"})))));
     assert_eq!(out[1], Rec::Tool(2, Ok(("fetch".into(), "web".into(), serde_json::json!({})))));
     assert!(matches!(&out[2], Rec::Tool(3, Err(e)) if e.starts_with("invalid tool call JSON")), "{:?}", out[2]);
 }

@@ -122,10 +122,7 @@ fn a_stray_lt_does_not_hold_back_what_follows() {
 
 #[test]
 fn unregistered_well_formed_tags_pass_through() {
-    assert_eq!(
-        scan_all_splits("<other:y:v1>keep</other:y:v1>"),
-        vec![text("<other:y:v1>keep</other:y:v1>")]
-    );
+    assert_eq!(scan_all_splits("<other:y:v1>keep</other:y:v1>"), vec![text("<other:y:v1>keep</other:y:v1>")]);
 }
 
 #[test]
@@ -150,10 +147,7 @@ fn first_exact_close_ends_the_block_and_near_misses_are_payload() {
         scan_all_splits("<core:x:v1>a</core:x:v1!>b</Core:x:v1>c</core:x:v1"),
         vec![Ev::Open(0), payload(0, "a</core:x:v1!>b</Core:x:v1>c</core:x:v1"), Ev::Unclosed(0)]
     );
-    assert_eq!(
-        scan_all_splits("<core:x:v1></</core:x:v1>"),
-        vec![Ev::Open(0), payload(0, "</"), Ev::Close(0)]
-    );
+    assert_eq!(scan_all_splits("<core:x:v1></</core:x:v1>"), vec![Ev::Open(0), payload(0, "</"), Ev::Close(0)]);
 }
 
 #[test]
@@ -200,10 +194,7 @@ fn tool_close_inside_json_string_is_payload() {
 fn end_of_stream_releases_held_bytes() {
     assert_eq!(scan(&["text <core:x"]), vec![text("text <core:x")]);
     assert_eq!(scan(&["<"]), vec![text("<")]);
-    assert_eq!(
-        scan(&["<core:x:v1>abc</core:x"]),
-        vec![Ev::Open(0), payload(0, "abc</core:x"), Ev::Unclosed(0)]
-    );
+    assert_eq!(scan(&["<core:x:v1>abc</core:x"]), vec![Ev::Open(0), payload(0, "abc</core:x"), Ev::Unclosed(0)]);
 }
 
 #[test]
@@ -232,10 +223,7 @@ fn invalid_names_are_refused() {
     assert!(matches!(TagSet::new([("", CloseRule::Exact)]), Err(TagSetError::InvalidName(_))));
     assert!(matches!(TagSet::new([("a b", CloseRule::Exact)]), Err(TagSetError::InvalidName(_))));
     assert!(matches!(TagSet::new([("a>", CloseRule::Exact)]), Err(TagSetError::InvalidName(_))));
-    assert!(matches!(
-        TagSet::new([("a", CloseRule::Exact), ("a", CloseRule::Exact)]),
-        Err(TagSetError::Duplicate(_))
-    ));
+    assert!(matches!(TagSet::new([("a", CloseRule::Exact), ("a", CloseRule::Exact)]), Err(TagSetError::Duplicate(_))));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Integration tests: one binary, one module per area. Tests that need NATS start their own
 //! `nats-server` on a random port (see `support`).
 
+mod harness;
 mod replay;
 mod support;

@@ -51,9 +51,8 @@ fn replay_filters_the_example_conversation() {
         .collect();
     assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
 
-    let thinking: String = messages(&records, "chat.thinking", LEGACY)
-        .filter_map(|m| m["delta"]["text"].as_str())
-        .collect();
+    let thinking: String =
+        messages(&records, "chat.thinking", LEGACY).filter_map(|m| m["delta"]["text"].as_str()).collect();
     assert_eq!(thinking, "The user wants research; switching is cheap.");
 
     let block: Vec<&Value> = messages(&records, "chat.structured.myapp.ModeSwitch.v1", LEGACY).collect();
