@@ -15,8 +15,13 @@
 pub mod bus;
 pub mod codec;
 pub mod config;
+pub mod demo;
+pub mod http;
+pub mod metrics;
 pub mod payload;
 pub mod pipeline;
 pub mod replay;
 pub mod scanner;
+pub mod service;
 pub mod shard;
+pub mod telemetry;

@@ -34,6 +34,11 @@ enum Command {
     },
     /// Print the effective configuration as TOML, secrets masked.
     Config,
+    /// Run the service until SIGINT or SIGTERM.
+    Serve,
+    /// Start (or use, with NATS_URL) a NATS server, run the service, publish an example
+    /// conversation as an agent would, and print what a downstream handler receives.
+    Demo,
 }
 
 fn main() -> ExitCode {
@@ -51,6 +56,10 @@ fn main() -> ExitCode {
             print!("{}", config.to_masked_toml());
             Ok(())
         }
+        Command::Serve => runtime().and_then(|rt| rt.block_on(serve(config))),
+        Command::Demo => runtime().and_then(|rt| {
+            rt.block_on(structured_sink::demo::run(config)).map_err(|e| io::Error::other(e.to_string()))
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -58,6 +67,34 @@ fn main() -> ExitCode {
             eprintln!("structured-sink: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn runtime() -> io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()
+}
+
+/// Runs the service until a signal, then shuts down in order; telemetry is flushed last.
+async fn serve(config: Config) -> io::Result<()> {
+    let telemetry = structured_sink::telemetry::init(&config.telemetry).map_err(|e| io::Error::other(e.to_string()))?;
+    let service =
+        structured_sink::service::RunningService::start(config).await.map_err(|e| io::Error::other(e.to_string()))?;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), "structured-sink is running");
+    wait_for_signal().await?;
+    tracing::info!("shutting down");
+    let stopped = service.shutdown().await;
+    if let Err(e) = telemetry.shutdown() {
+        eprintln!("structured-sink: telemetry shutdown: {e}");
+    }
+    stopped.map_err(|e| io::Error::other(e.to_string()))
+}
+
+async fn wait_for_signal() -> io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::select! {
+        result = tokio::signal::ctrl_c() => result,
+        _ = terminate.recv() => Ok(()),
     }
 }
 

@@ -6,3 +6,4 @@
 //! one per worker task ([`worker`]), routing every event of a message id to the same worker.
 
 pub mod table;
+pub mod worker;

@@ -51,6 +51,10 @@ pub enum DecodeError {
     /// `meta.message_id` is absent or empty.
     #[error("event has no meta.message_id")]
     MissingMessageId,
+    /// The message id (or stream id) is longer than [`MAX_ID_BYTES`] or holds control characters,
+    /// so it cannot travel safely in headers and logs.
+    #[error("message id is invalid: {0}")]
+    InvalidMessageId(&'static str),
     /// A text event lacks the field that carries its text.
     #[error("{kind} event has no {field}")]
     MissingField {
@@ -72,6 +76,7 @@ impl DecodeError {
             DecodeError::MissingType => "missing_type",
             DecodeError::MissingMessageId => "missing_message_id",
             DecodeError::MissingField { .. } => "missing_field",
+            DecodeError::InvalidMessageId(_) => "invalid_message_id",
         }
     }
 }
@@ -124,6 +129,30 @@ pub struct InboundEvent<'a> {
 #[serde(transparent)]
 struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
 
+impl InboundEvent<'_> {
+    /// The same event owning its strings, to cross a task boundary.
+    pub fn into_owned(self) -> InboundEvent<'static> {
+        let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
+        InboundEvent {
+            kind: own(self.kind),
+            stream: StreamIdentity {
+                message_id: own(self.stream.message_id),
+                stream_id: own(self.stream.stream_id),
+                session_id: own(self.stream.session_id),
+                inference_id: own(self.stream.inference_id),
+                turn_id: own(self.stream.turn_id),
+            },
+            action: match self.action {
+                EventAction::Delta(d) => EventAction::Delta(own(d)),
+                EventAction::Finish { text, reason } => {
+                    EventAction::Finish { text: text.map(own), reason: own(reason) }
+                }
+                EventAction::PassThrough => EventAction::PassThrough,
+            },
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct Wire<'a> {
     #[serde(rename = "type", borrow)]
@@ -172,6 +201,19 @@ fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
     v.map(|s| s.0)
 }
 
+/// The longest message id or stream id accepted.
+pub const MAX_ID_BYTES: usize = 256;
+
+fn check_id(id: &str) -> Result<(), DecodeError> {
+    if id.len() > MAX_ID_BYTES {
+        return Err(DecodeError::InvalidMessageId("longer than 256 bytes"));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(DecodeError::InvalidMessageId("contains control characters"));
+    }
+    Ok(())
+}
+
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.
 pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>, DecodeError> {
     if payload.len() > max_event_bytes {
@@ -185,6 +227,8 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     let stream_id = non_empty(correlation.segment_id)
         .or_else(|| non_empty(correlation.provider_call_id))
         .unwrap_or_else(|| message_id.clone());
+    check_id(&message_id)?;
+    check_id(&stream_id)?;
     let stream = StreamIdentity {
         message_id,
         stream_id,
@@ -309,6 +353,7 @@ mod tests {
             (br#"{"meta":{"message_id":"m"}}"#, "missing_type"),
             (br#"{"type":"partial","meta":{"message_id":"m"},"delta":"\ud800"}"#, "invalid_json"),
             (b"\xff\xfe", "invalid_json"),
+            (br#"{"type":"partial","meta":{"message_id":"a\r\nX-Evil: 1"},"delta":"x"}"#, "invalid_message_id"),
         ];
         for (payload, code) in cases {
             let err = decode(payload, 1 << 20).unwrap_err();
@@ -321,6 +366,8 @@ mod tests {
         assert!(decode(deep.as_bytes(), 1 << 20).is_ok());
         let deep = format!(r#"{{"type":"partial","meta":{{"message_id":"m"}},"delta":{}}}"#, nest(100_000));
         assert_eq!(decode(deep.as_bytes(), 1 << 20).unwrap_err().code(), "wrong_field_type");
+        let long = format!(r#"{{"type":"partial","meta":{{"message_id":"{}"}},"delta":"x"}}"#, "m".repeat(10_000));
+        assert_eq!(decode(long.as_bytes(), 1 << 20).unwrap_err().code(), "invalid_message_id");
         assert_eq!(decode(b"{}", 1).unwrap_err(), DecodeError::TooLarge { size: 2, limit: 1 });
     }
 }

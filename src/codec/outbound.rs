@@ -50,6 +50,9 @@ impl OutputSubjects {
     }
 }
 
+/// The `Content-Type` of protobuf outputs.
+pub const PROTOBUF_CONTENT_TYPE: &str = "application/x-protobuf";
+
 /// One message ready to publish.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Publication {
@@ -57,6 +60,8 @@ pub struct Publication {
     pub subject: Arc<str>,
     /// The full protobuf name of the message type.
     pub type_name: &'static str,
+    /// The `Content-Type` of `payload`.
+    pub content_type: &'static str,
     /// The encoded message.
     pub payload: Bytes,
     /// `<stream_id>:<seq>`: deterministic, so JetStream can drop replayed duplicates.
@@ -233,7 +238,13 @@ impl OutputEncoder {
                 (self.tools.clone(), proto::names::TOOL_CALL, splice(header, &msg))
             }
         };
-        Publication { subject, type_name, payload, msg_id: format!("{}:{}", header.stream_id, seq) }
+        Publication {
+            subject,
+            type_name,
+            content_type: PROTOBUF_CONTENT_TYPE,
+            payload,
+            msg_id: format!("{}:{}", header.stream_id, seq),
+        }
     }
 
     fn block(

@@ -3,4 +3,5 @@
 
 mod harness;
 mod replay;
+mod service;
 mod support;

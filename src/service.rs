@@ -1,0 +1,461 @@
+//! The service: the one module that sees everything and wires it together.
+//!
+//! Start-up: validate configuration, connect to NATS, start the shard workers, subscribe to the
+//! input subjects (one dispatcher task per subject), register with the NATS service API, serve
+//! metrics and health. Each dispatcher decodes events (bad ones go to the dead-letter subject
+//! from here) and routes the rest by message id to a shard worker, which runs the pipeline and
+//! publishes through a [`NatsSink`].
+//!
+//! Shutdown, in this order, within `service.shutdown_timeout_ms`: stop input (drain every
+//! subscription, dispatching what was already delivered), let workers empty their inboxes and
+//! close open streams with reason `shutdown`, flush the publisher, stop the service API and the
+//! HTTP server. Telemetry is shut down last by the caller.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::{HeaderMap, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::bus::{self, BusError, ConnectionEvent};
+use crate::codec::inbound::decode;
+use crate::codec::outbound::{OutputEncoder, Publication};
+use crate::config::Config;
+use crate::http::{self, Readiness};
+use crate::metrics::{CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind};
+use crate::pipeline::{Pipeline, PipelineStats};
+use crate::shard::table::{StreamTable, TableLimits, TableStats};
+use crate::shard::worker::{ShardEvent, ShardSet, ShardSettings, ShardSink};
+
+/// Header naming the protobuf message type of an output.
+pub const TYPE_HEADER: &str = "Structured-Sink-Type";
+/// Header giving the reason code of a dead-lettered event.
+pub const ERROR_HEADER: &str = "Structured-Sink-Error";
+/// Header giving a human-readable reason (never payload text) of a dead-lettered event.
+pub const ERROR_DETAIL_HEADER: &str = "Structured-Sink-Error-Detail";
+/// Header giving the subject a dead-lettered or passed-through event arrived on.
+pub const SOURCE_SUBJECT_HEADER: &str = "Structured-Sink-Source-Subject";
+/// W3C trace context headers carried from input to output.
+const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+
+/// Why the service could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The configuration was refused.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// NATS refused a connection, subscription or registration.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// The HTTP listener could not be bound.
+    #[error("cannot listen on {address}: {error}")]
+    Listen {
+        /// The configured address.
+        address: String,
+        /// The cause.
+        error: std::io::Error,
+    },
+    /// The NATS service API registration failed.
+    #[error("cannot register with the NATS service API: {0}")]
+    Register(String),
+    /// Shutdown did not finish within the timeout.
+    #[error("shutdown did not finish within {0:?}")]
+    ShutdownTimeout(Duration),
+}
+
+/// A running service.
+pub struct RunningService {
+    client: async_nats::Client,
+    cancel: CancellationToken,
+    dispatchers: Vec<JoinHandle<()>>,
+    shards: Option<Arc<ShardSet<Envelope>>>,
+    api: Option<async_nats::service::Service>,
+    status: Option<JoinHandle<()>>,
+    http: Option<(std::net::SocketAddr, JoinHandle<()>)>,
+    http_stop: CancellationToken,
+    metrics: Arc<Metrics>,
+    readiness: Arc<Readiness>,
+    shutdown_timeout: Duration,
+}
+
+/// What a dispatcher hands a worker besides the decoded event: the original message.
+pub struct Envelope {
+    subject: Subject,
+    payload: Bytes,
+    headers: Option<HeaderMap>,
+    received: Instant,
+}
+
+impl RunningService {
+    /// Starts the service under `config`.
+    pub async fn start(config: Config) -> Result<RunningService, ServiceError> {
+        let config = config.validated()?;
+        let metrics = Arc::new(Metrics::new(config.shard_count()));
+        let readiness = Arc::new(Readiness::new());
+
+        let events = {
+            let (metrics, readiness) = (metrics.clone(), readiness.clone());
+            move |event: ConnectionEvent| {
+                if let Some(kind) = ConnectionEventKind::from_label(event.kind()) {
+                    metrics.count_connection_event(kind);
+                }
+                match event {
+                    ConnectionEvent::Connected => readiness.set_connected(true),
+                    ConnectionEvent::Disconnected | ConnectionEvent::Closed => readiness.set_connected(false),
+                    _ => {}
+                }
+            }
+        };
+        let client = bus::connect(&config.nats, events).await?;
+        readiness.set_connected(true);
+        let max_payload = client.server_info().max_payload;
+        tracing::info!(
+            servers = ?config.nats.servers,
+            server_version = %client.server_info().version,
+            max_payload,
+            "connected to NATS"
+        );
+
+        let pipeline = Pipeline::new(config.tag_specs(), config.pipeline.limits())
+            .map_err(|e| crate::config::ConfigError::Invalid { key: "tags".into(), reason: e.to_string() })?;
+        let encoder = OutputEncoder::new(&pipeline, &config.output.subjects);
+        let limits = TableLimits {
+            idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
+            max_streams: (config.shards.max_streams / config.shard_count()).max(1),
+            finished_memory: config.shards.finished_memory,
+        };
+        let settings = ShardSettings {
+            count: config.shard_count(),
+            inbox_capacity: config.shards.inbox_capacity,
+            expiry_tick: Duration::from_millis(config.shards.expiry_tick_ms),
+        };
+        let sink_template = NatsSink {
+            client: client.clone(),
+            metrics: metrics.clone(),
+            pass_through: (!config.input.pass_through_subject.is_empty())
+                .then(|| Subject::from(config.input.pass_through_subject.as_str())),
+            dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
+            reported: Reported::default(),
+        };
+        let shards = ShardSet::start(settings, |_| {
+            (StreamTable::new(pipeline.clone(), encoder.clone(), limits), sink_template.clone())
+        });
+        let shards = Arc::new(shards);
+
+        let cancel = CancellationToken::new();
+        let mut dispatchers = Vec::new();
+        for subject in &config.input.subjects {
+            let subscriber = client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| BusError::Subscribe { subject: subject.clone(), error: e })?;
+            let dispatcher = Dispatcher {
+                subscriber,
+                shards: shards.clone(),
+                sink: sink_template.clone(),
+                max_event_bytes: config.input.max_event_bytes,
+                cancel: cancel.clone(),
+            };
+            dispatchers.push(tokio::spawn(dispatcher.run()));
+        }
+        // Make sure the server has the subscriptions before reporting ready.
+        client.flush().await.map_err(|e| BusError::Flush { error: e })?;
+        readiness.set_subscribed(true);
+        tracing::info!(subjects = ?config.input.subjects, shards = config.shard_count(), "subscribed");
+
+        let (api, status) = register(&client, &metrics).await?;
+
+        let http_stop = CancellationToken::new();
+        let http = if config.http.enabled {
+            let listener = tokio::net::TcpListener::bind(&config.http.listen)
+                .await
+                .map_err(|error| ServiceError::Listen { address: config.http.listen.clone(), error })?;
+            let address = listener
+                .local_addr()
+                .map_err(|error| ServiceError::Listen { address: config.http.listen.clone(), error })?;
+            let stop = http_stop.clone();
+            let server = http::serve(listener, metrics.clone(), readiness.clone(), async move {
+                stop.cancelled().await;
+            });
+            let task = tokio::spawn(server);
+            tracing::info!(%address, "serving /metrics, /healthz and /readyz");
+            Some((address, task))
+        } else {
+            None
+        };
+
+        Ok(RunningService {
+            client,
+            cancel,
+            dispatchers,
+            shards: Some(shards),
+            api: Some(api),
+            status: Some(status),
+            http,
+            http_stop,
+            metrics,
+            readiness,
+            shutdown_timeout: Duration::from_millis(config.service.shutdown_timeout_ms),
+        })
+    }
+
+    /// The service's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Whether the service is connected and subscribed.
+    pub fn is_ready(&self) -> bool {
+        self.readiness.is_ready()
+    }
+
+    /// The bound address of the HTTP server, when enabled.
+    pub fn http_address(&self) -> Option<std::net::SocketAddr> {
+        self.http.as_ref().map(|(address, _)| *address)
+    }
+
+    /// Stops in order (input, workers, publisher, API, HTTP) within the shutdown timeout.
+    pub async fn shutdown(mut self) -> Result<(), ServiceError> {
+        let timeout = self.shutdown_timeout;
+        let started = Instant::now();
+        let result = tokio::time::timeout(timeout, self.stop_in_order()).await;
+        self.http_stop.cancel();
+        if let Some((_, task)) = self.http.take() {
+            let _ = task.await;
+        }
+        match result {
+            Ok(()) => {
+                tracing::info!(elapsed_ms = started.elapsed().as_millis() as u64, "stopped");
+                Ok(())
+            }
+            Err(_) => {
+                tracing::error!(?timeout, "shutdown timed out; open streams may not have been closed");
+                Err(ServiceError::ShutdownTimeout(timeout))
+            }
+        }
+    }
+
+    async fn stop_in_order(&mut self) {
+        self.readiness.set_subscribed(false);
+        self.cancel.cancel();
+        for dispatcher in self.dispatchers.drain(..) {
+            let _ = dispatcher.await;
+        }
+        // Every dispatcher has ended, so this is the last reference to the shard set.
+        if let Some(shards) = self.shards.take() {
+            match Arc::try_unwrap(shards) {
+                Ok(shards) => shards.shutdown().await,
+                Err(_) => tracing::error!("shard set still referenced at shutdown"),
+            }
+        }
+        if let Err(e) = self.client.flush().await {
+            tracing::error!(error = %e, "final flush failed");
+        }
+        if let Some(api) = self.api.take() {
+            if let Err(e) = api.stop().await {
+                tracing::warn!(error = %e, "service API did not stop cleanly");
+            }
+        }
+        if let Some(status) = self.status.take() {
+            status.abort();
+        }
+    }
+}
+
+/// Takes messages from one subscription, dead-letters bad ones, routes the rest.
+struct Dispatcher {
+    subscriber: async_nats::Subscriber,
+    shards: Arc<ShardSet<Envelope>>,
+    sink: NatsSink,
+    max_event_bytes: usize,
+    cancel: CancellationToken,
+}
+
+impl Dispatcher {
+    async fn run(mut self) {
+        let shards = self.shards.clone();
+        let shards = shards.as_ref();
+        loop {
+            let message = tokio::select! {
+                biased;
+                _ = self.cancel.cancelled() => break,
+                message = self.subscriber.next() => message,
+            };
+            let Some(message) = message else { return };
+            self.dispatch(shards, message).await;
+        }
+        // Stop input: unsubscribe, then hand on what was already delivered.
+        if let Err(e) = self.subscriber.drain().await {
+            tracing::warn!(error = %e, "draining the subscription failed");
+        }
+        while let Some(message) = self.subscriber.next().await {
+            self.dispatch(shards, message).await;
+        }
+    }
+
+    async fn dispatch(&mut self, shards: &ShardSet<Envelope>, message: async_nats::Message) {
+        let received = Instant::now();
+        self.sink.metrics.count_received();
+        let envelope =
+            Envelope { subject: message.subject, payload: message.payload, headers: message.headers, received };
+        let event = match decode(&envelope.payload, self.max_event_bytes) {
+            Ok(event) => event.into_owned(),
+            Err(e) => {
+                tracing::warn!(reason = e.code(), error = %e, subject = %envelope.subject, "dead-lettering an event");
+                let detail = e.to_string();
+                self.sink.dead_letter_with_detail(envelope, e.code(), &detail).await;
+                return;
+            }
+        };
+        match shards.route(ShardEvent { event, envelope }).await {
+            Ok(true) => self.sink.metrics.count_shard_inbox_full(),
+            Ok(false) => {}
+            Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
+        }
+    }
+}
+
+/// Counters last reported by a worker, to turn totals into increments.
+#[derive(Debug, Clone, Copy, Default)]
+struct Reported {
+    table: TableStats,
+    pipeline: PipelineStats,
+}
+
+/// Publishes a worker's outputs to NATS.
+#[derive(Clone)]
+pub struct NatsSink {
+    client: async_nats::Client,
+    metrics: Arc<Metrics>,
+    pass_through: Option<Subject>,
+    dead_letter: Subject,
+    reported: Reported,
+}
+
+impl NatsSink {
+    async fn send(&self, kind: OutputKind, subject: Subject, headers: HeaderMap, payload: Bytes) {
+        match self.client.publish_with_headers(subject.clone(), headers, payload).await {
+            Ok(()) => self.metrics.count_published(kind),
+            Err(e) => {
+                self.metrics.count_publish_error(kind);
+                tracing::error!(%subject, error = %e, "publish failed");
+            }
+        }
+    }
+
+    async fn dead_letter_with_detail(&mut self, envelope: Envelope, reason: &'static str, detail: &str) {
+        if let Some(reason) = DeadLetterReason::from_label(reason) {
+            self.metrics.count_dead_letter(reason);
+        }
+        let mut headers = envelope.headers.unwrap_or_default();
+        headers.insert(ERROR_HEADER, reason);
+        headers.insert(ERROR_DETAIL_HEADER, detail);
+        headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
+        self.send(OutputKind::DeadLetter, self.dead_letter.clone(), headers, envelope.payload).await;
+    }
+}
+
+impl ShardSink<Envelope> for NatsSink {
+    async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
+        let mut headers = HeaderMap::new();
+        headers.insert("Content-Type", publication.content_type);
+        headers.insert(TYPE_HEADER, publication.type_name);
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id.as_str());
+        if let Some(input) = cause.and_then(|c| c.headers.as_ref()) {
+            for name in TRACE_HEADERS {
+                if let Some(value) = input.get(name) {
+                    headers.insert(name, value.as_str());
+                }
+            }
+        }
+        let kind = output_kind(publication.type_name);
+        self.send(kind, Subject::from(publication.subject.as_ref()), headers, publication.payload).await;
+        if let Some(cause) = cause {
+            self.metrics.observe_event_latency(cause.received.elapsed());
+        }
+    }
+
+    async fn pass_through(&mut self, envelope: Envelope) {
+        match &self.pass_through {
+            Some(subject) => {
+                self.metrics.count_passed_through();
+                let mut headers = envelope.headers.unwrap_or_default();
+                headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
+                self.send(OutputKind::PassThrough, subject.clone(), headers, envelope.payload).await;
+            }
+            None => self.metrics.count_dropped(DropReason::NoPassThroughSubject),
+        }
+    }
+
+    async fn dead_letter(&mut self, envelope: Envelope, reason: &'static str) {
+        let detail = match reason {
+            "stream_finished" => "event for a stream that already finished",
+            other => other,
+        };
+        self.dead_letter_with_detail(envelope, reason, detail).await;
+    }
+
+    fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats) {
+        let (last, m) = (self.reported, &self.metrics);
+        m.set_streams_open(shard, open_streams as u64);
+        m.count_streams_opened(table.opened - last.table.opened);
+        m.count_streams_closed(CloseReason::Finished, table.finished - last.table.finished);
+        m.count_streams_closed(CloseReason::Expired, table.expired - last.table.expired);
+        m.count_streams_closed(CloseReason::Evicted, table.evicted - last.table.evicted);
+        m.count_streams_closed(CloseReason::Shutdown, table.closed_at_shutdown - last.table.closed_at_shutdown);
+        m.count_captures_overflowed(pipeline.capture_overflows - last.pipeline.capture_overflows);
+        m.count_captures_unclosed(pipeline.unclosed_captures - last.pipeline.unclosed_captures);
+        m.count_finals_diverged(pipeline.diverged_finals - last.pipeline.diverged_finals);
+        m.count_text_overflows(pipeline.text_overflows - last.pipeline.text_overflows);
+        self.reported = Reported { table, pipeline };
+    }
+
+    async fn flush(&mut self) {
+        if let Err(e) = self.client.flush().await {
+            tracing::error!(error = %e, "flush failed");
+        }
+    }
+}
+
+/// The metric label of an output message type.
+fn output_kind(type_name: &str) -> OutputKind {
+    use crate::codec::proto::names;
+    match type_name {
+        names::BLOCK_EVENT => OutputKind::Block,
+        names::THINKING_TEXT => OutputKind::Thinking,
+        names::TOOL_CALL => OutputKind::Tool,
+        _ => OutputKind::Filtered,
+    }
+}
+
+/// Registers this replica with the NATS service API (`$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`)
+/// and answers `structured-sink.status` requests with the counters.
+async fn register(
+    client: &async_nats::Client,
+    metrics: &Arc<Metrics>,
+) -> Result<(async_nats::service::Service, JoinHandle<()>), ServiceError> {
+    use async_nats::service::ServiceExt;
+    let stats_metrics = metrics.clone();
+    let service = client
+        .service_builder()
+        .description("Filters structured blocks out of streamed LLM text")
+        .stats_handler(move |_endpoint, _stats| serde_json::to_value(stats_metrics.snapshot()).unwrap_or_default())
+        .start("structured-sink", env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| ServiceError::Register(e.to_string()))?;
+    let mut endpoint =
+        service.group("structured-sink").endpoint("status").await.map_err(|e| ServiceError::Register(e.to_string()))?;
+    let metrics = metrics.clone();
+    let task = tokio::spawn(async move {
+        while let Some(request) = endpoint.next().await {
+            let body = serde_json::to_vec(&metrics.snapshot()).unwrap_or_default();
+            if let Err(e) = request.respond(Ok(body.into())).await {
+                tracing::warn!(error = %e, "status reply failed");
+            }
+        }
+    });
+    Ok((service, task))
+}

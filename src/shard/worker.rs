@@ -1,0 +1,292 @@
+//! Shard workers: a fixed set of tokio tasks, each owning one [`StreamTable`].
+//!
+//! A [`ShardSet`] routes every event by a hash of its message id into the bounded inbox of one
+//! worker, so all events of a message are handled in order by one task and no lock is taken on
+//! the hot path. A full inbox makes [`ShardSet::route`] wait: backpressure reaches the
+//! subscription (and, past the client's buffer, shows up as a counted slow consumer). Each worker
+//! selects between its inbox and an expiry tick; when the inbox closes (shutdown), it finishes
+//! what is queued, closes every open stream with reason `shutdown`, and flushes its sink.
+//!
+//! This module knows tokio but not NATS: events arrive with an opaque envelope `E` (the caller's
+//! message, for pass-through, dead letters and trace context) and leave through a [`ShardSink`].
+
+use std::future::Future;
+use std::hash::{Hash, Hasher};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::table::{Disposition, StreamTable, TableStats};
+use crate::codec::inbound::InboundEvent;
+use crate::codec::outbound::Publication;
+use crate::pipeline::PipelineStats;
+
+/// Where a worker's results go. One instance per worker.
+pub trait ShardSink<E>: Send + 'static {
+    /// Publishes one output. `cause` is the envelope of the event that produced it, absent for
+    /// outputs of expiry, eviction and shutdown.
+    fn publish(&mut self, publication: Publication, cause: Option<&E>) -> impl Future<Output = ()> + Send;
+    /// Forwards an event that is not text, unchanged.
+    fn pass_through(&mut self, envelope: E) -> impl Future<Output = ()> + Send;
+    /// Sends an event that cannot be applied to the dead-letter subject with a reason code.
+    fn dead_letter(&mut self, envelope: E, reason: &'static str) -> impl Future<Output = ()> + Send;
+    /// Reports counters after a change (cheap: called after each event and tick).
+    fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats);
+    /// Makes sure everything published so far has left the process.
+    fn flush(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+/// One event for a worker: the decoded event (owning its strings) and the caller's envelope.
+pub struct ShardEvent<E> {
+    /// The decoded event.
+    pub event: InboundEvent<'static>,
+    /// The caller's message, handed back for pass-through, dead letters and trace context.
+    pub envelope: E,
+}
+
+/// Settings of a shard set.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardSettings {
+    /// Number of workers.
+    pub count: usize,
+    /// Events queued per worker.
+    pub inbox_capacity: usize,
+    /// How often workers close idle streams.
+    pub expiry_tick: Duration,
+}
+
+/// The workers and the senders that feed them.
+pub struct ShardSet<E> {
+    inboxes: Vec<mpsc::Sender<ShardEvent<E>>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+/// Why an event could not be routed.
+#[derive(Debug, thiserror::Error)]
+#[error("shard {0} has stopped")]
+pub struct ShardStopped(pub usize);
+
+impl<E: Send + Sync + 'static> ShardSet<E> {
+    /// Starts `settings.count` workers; `make` builds each worker's table and sink.
+    pub fn start<S, F>(settings: ShardSettings, mut make: F) -> Self
+    where
+        S: ShardSink<E>,
+        F: FnMut(usize) -> (StreamTable, S),
+    {
+        let count = settings.count.max(1);
+        let mut inboxes = Vec::with_capacity(count);
+        let mut workers = Vec::with_capacity(count);
+        for shard in 0..count {
+            let (tx, rx) = mpsc::channel(settings.inbox_capacity.max(1));
+            let (table, sink) = make(shard);
+            workers.push(tokio::spawn(run_worker(shard, table, sink, rx, settings.expiry_tick)));
+            inboxes.push(tx);
+        }
+        ShardSet { inboxes, workers }
+    }
+
+    /// The worker that owns `message_id`.
+    pub fn shard_of(&self, message_id: &str) -> usize {
+        shard_index(message_id, self.inboxes.len())
+    }
+
+    /// Queues `event` for its worker; waits while the inbox is full. Returns whether it had to
+    /// wait (for the backpressure counter).
+    pub async fn route(&self, event: ShardEvent<E>) -> Result<bool, ShardStopped> {
+        let shard = self.shard_of(&event.event.stream.message_id);
+        let inbox = &self.inboxes[shard];
+        match inbox.try_send(event) {
+            Ok(()) => Ok(false),
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                inbox.send(event).await.map_err(|_| ShardStopped(shard))?;
+                Ok(true)
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(ShardStopped(shard)),
+        }
+    }
+
+    /// Closes the inboxes and waits for every worker to finish its queue, close its streams and
+    /// flush.
+    pub async fn shutdown(self) {
+        drop(self.inboxes);
+        for worker in self.workers {
+            if let Err(e) = worker.await {
+                tracing::error!(error = %e, "shard worker failed");
+            }
+        }
+    }
+}
+
+/// The shard of `message_id` among `count`: stable across processes of the same build.
+pub fn shard_index(message_id: &str, count: usize) -> usize {
+    // FNV-1a: fast, no per-process seed (so a test can predict it), good enough spread for ids.
+    let mut hasher = Fnv1a::default();
+    message_id.hash(&mut hasher);
+    (hasher.finish() % count.max(1) as u64) as usize
+}
+
+/// 64-bit FNV-1a.
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv1a {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+}
+
+async fn run_worker<E, S>(
+    shard: usize,
+    mut table: StreamTable,
+    mut sink: S,
+    mut inbox: mpsc::Receiver<ShardEvent<E>>,
+    expiry_tick: Duration,
+) where
+    E: Send + Sync + 'static,
+    S: ShardSink<E>,
+{
+    let mut tick = tokio::time::interval(expiry_tick);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut outputs = Vec::new();
+    loop {
+        tokio::select! {
+            // Input first: expiry may wait, events should not.
+            biased;
+            next = inbox.recv() => {
+                let Some(ShardEvent { event, envelope }) = next else { break };
+                let now = tokio::time::Instant::now().into_std();
+                match table.apply(&event, now, &mut |p| outputs.push(p)) {
+                    Disposition::Applied => {
+                        for p in outputs.drain(..) {
+                            sink.publish(p, Some(&envelope)).await;
+                        }
+                    }
+                    Disposition::PassThrough => sink.pass_through(envelope).await,
+                    Disposition::Late => sink.dead_letter(envelope, "stream_finished").await,
+                }
+            }
+            _ = tick.tick() => {
+                let now = tokio::time::Instant::now().into_std();
+                table.expire(now, &mut |p| outputs.push(p));
+                for p in outputs.drain(..) {
+                    sink.publish(p, None).await;
+                }
+            }
+        }
+        sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
+    }
+    table.close_all("shutdown", &mut |p| outputs.push(p));
+    for p in outputs.drain(..) {
+        sink.publish(p, None).await;
+    }
+    sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
+    sink.flush().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::inbound::decode;
+    use crate::codec::outbound::{OutputEncoder, OutputSubjects};
+    use crate::pipeline::{Pipeline, PipelineLimits, TagKind, TagSpec};
+    use crate::shard::table::TableLimits;
+    use std::sync::{Arc, Mutex};
+
+    /// Records what a worker sends, in order, into a shared log.
+    #[derive(Clone, Default)]
+    struct Recorder(Arc<Mutex<Vec<String>>>);
+
+    impl ShardSink<u32> for Recorder {
+        async fn publish(&mut self, p: Publication, cause: Option<&u32>) {
+            self.0.lock().unwrap().push(format!("{} {} {:?}", p.subject, p.msg_id, cause));
+        }
+        async fn pass_through(&mut self, envelope: u32) {
+            self.0.lock().unwrap().push(format!("pass {envelope}"));
+        }
+        async fn dead_letter(&mut self, envelope: u32, reason: &'static str) {
+            self.0.lock().unwrap().push(format!("dead {envelope} {reason}"));
+        }
+        fn report(&mut self, _: usize, _: usize, _: TableStats, _: PipelineStats) {}
+        async fn flush(&mut self) {
+            self.0.lock().unwrap().push("flush".into());
+        }
+    }
+
+    fn table(idle: Duration) -> StreamTable {
+        let tags = vec![TagSpec { name: "core:x:v1".into(), kind: TagKind::Block, max_capture_bytes: None }];
+        let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
+        let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+        StreamTable::new(pipeline, encoder, TableLimits { idle_timeout: idle, max_streams: 100, finished_memory: 10 })
+    }
+
+    fn event(json: &str) -> InboundEvent<'static> {
+        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    }
+
+    fn settings(count: usize) -> ShardSettings {
+        ShardSettings { count, inbox_capacity: 2, expiry_tick: Duration::from_millis(100) }
+    }
+
+    #[tokio::test]
+    async fn events_of_one_message_stay_in_order_and_shutdown_closes_streams() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(3), |_| (table(Duration::from_secs(60)), log.clone()));
+        for i in 0..20u32 {
+            let json = format!(r#"{{"type":"partial","meta":{{"message_id":"m{}"}},"delta":"d{i} "}}"#, i % 4);
+            set.route(ShardEvent { event: event(&json), envelope: i }).await.unwrap();
+        }
+        let json = r#"{"type":"tool-call","meta":{"message_id":"m1"}}"#;
+        set.route(ShardEvent { event: event(json), envelope: 99 }).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        assert!(log.contains(&"pass 99".to_owned()));
+        for m in 0..4 {
+            let seqs: Vec<u64> = log
+                .iter()
+                .filter_map(|l| l.split(' ').nth(1))
+                .filter_map(|id| id.strip_prefix(&format!("m{m}:")))
+                .map(|s| s.parse().unwrap())
+                .collect();
+            assert_eq!(seqs, (1..=6).collect::<Vec<_>>(), "m{m}: five deltas then the shutdown final");
+        }
+        assert_eq!(log.iter().filter(|l| *l == "flush").count(), 3, "every worker flushes");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_streams_expire_on_the_tick() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(5)), log.clone()));
+        let json = r#"{"type":"partial","meta":{"message_id":"idle"},"delta":"x <core:x:v1>half"}"#;
+        set.route(ShardEvent { event: event(json), envelope: 1 }).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let expired = log.0.lock().unwrap().clone();
+        assert!(expired.iter().any(|l| l.starts_with("chat.filtered idle:5 None")), "{expired:?}");
+        assert!(expired.iter().any(|l| l.starts_with("chat.structured.core.x.v1 idle:4 None")), "{expired:?}");
+        // An event after expiry is late: dead-lettered, no new stream with repeated seq numbers.
+        set.route(ShardEvent { event: event(json), envelope: 2 }).await.unwrap();
+        set.shutdown().await;
+        assert!(log.0.lock().unwrap().contains(&"dead 2 stream_finished".to_owned()));
+    }
+
+    #[test]
+    fn shard_index_is_stable_and_spread() {
+        assert_eq!(shard_index("abc", 8), shard_index("abc", 8));
+        let mut hits = [0usize; 4];
+        for i in 0..4000 {
+            hits[shard_index(&format!("3f2a9c1e-{i:04}-4e8a"), 4)] += 1;
+        }
+        assert!(hits.iter().all(|&h| h > 800), "{hits:?}");
+    }
+}

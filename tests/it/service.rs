@@ -1,0 +1,338 @@
+//! The service end to end against a real nats-server: outputs equal the offline replay, order per
+//! message, pass-through, dead letters, expiry, shutdown, reconnect, discovery, health.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::StreamExt;
+use prost::Message as _;
+use serde_json::Value;
+use structured_sink::codec::proto;
+use structured_sink::config::{Config, TagConfig};
+use structured_sink::pipeline::TagKind;
+use structured_sink::service::RunningService;
+
+use crate::support::NatsServer;
+
+/// A configuration for tests: the server, the demo tags, an ephemeral HTTP port, two shards.
+pub fn test_config(url: &str) -> Config {
+    let mut config = Config::default();
+    config.nats.servers = vec![url.to_owned()];
+    config.http.listen = "127.0.0.1:0".into();
+    config.shards.count = 2;
+    config.service.shutdown_timeout_ms = 5_000;
+    config.tags = vec![
+        TagConfig { name: "thinking".into(), kind: TagKind::Channel, max_capture_bytes: None },
+        TagConfig { name: "tool".into(), kind: TagKind::ToolCall, max_capture_bytes: None },
+        TagConfig { name: "myapp:ModeSwitch:v1".into(), kind: TagKind::Block, max_capture_bytes: None },
+        TagConfig { name: "geppetto:citations:v1".into(), kind: TagKind::Block, max_capture_bytes: None },
+    ];
+    config
+}
+
+/// Collects every message on `subject` until `done` says stop or `timeout` passes without one.
+pub async fn collect(
+    sub: &mut async_nats::Subscriber,
+    timeout: Duration,
+    mut done: impl FnMut(&[async_nats::Message]) -> bool,
+) -> Vec<async_nats::Message> {
+    let mut got = Vec::new();
+    while !done(&got) {
+        match tokio::time::timeout(timeout, sub.next()).await {
+            Ok(Some(m)) => got.push(m),
+            _ => break,
+        }
+    }
+    got
+}
+
+/// The proto3 JSON of an output message, as `replay` prints it.
+pub fn as_json(m: &async_nats::Message) -> Value {
+    let type_name = m.headers.as_ref().and_then(|h| h.get("Structured-Sink-Type")).expect("type header").to_string();
+    let type_name: &'static str = Box::leak(type_name.into_boxed_str());
+    let p = structured_sink::codec::outbound::Publication {
+        subject: m.subject.as_str().into(),
+        type_name,
+        content_type: "",
+        payload: m.payload.clone(),
+        msg_id: String::new(),
+    };
+    structured_sink::replay::publication_json(&p).unwrap()
+}
+
+fn is_final(m: &async_nats::Message) -> bool {
+    m.subject.as_str() == "chat.filtered" && proto::FilteredText::decode(m.payload.clone()).is_ok_and(|t| t.r#final)
+}
+
+fn finals(ms: &[async_nats::Message]) -> usize {
+    ms.iter().filter(|m| is_final(m)).count()
+}
+
+/// Groups records by stream id, keeping order.
+fn by_stream(records: impl IntoIterator<Item = (String, Value)>) -> BTreeMap<String, Vec<(String, Value)>> {
+    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+    for (subject, message) in records {
+        let stream = message["stream"]["stream_id"].as_str().unwrap_or_default().to_owned();
+        map.entry(stream).or_default().push((subject, message));
+    }
+    map
+}
+
+#[tokio::test]
+async fn outputs_equal_the_offline_replay_with_headers() {
+    let server = NatsServer::start();
+    let config = test_config(&server.url());
+    let service = RunningService::start(config.clone()).await.unwrap();
+    assert!(service.is_ready());
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut outputs = client.subscribe("chat.>").await.unwrap();
+    client.flush().await.unwrap();
+
+    let transcript = include_str!("../../examples/transcripts/conversation.jsonl");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    for line in transcript.lines() {
+        client.publish_with_headers("chat", headers.clone(), line.as_bytes().to_vec().into()).await.unwrap();
+    }
+    let got = collect(&mut outputs, Duration::from_secs(5), |ms| finals(ms) == 2).await;
+    service.shutdown().await.unwrap();
+
+    // The dead letter of the transcript's bad line arrives with its reason.
+    let dead: Vec<_> = got.iter().filter(|m| m.subject.as_str() == "chat.dlq").collect();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].headers.as_ref().unwrap().get("Structured-Sink-Error").unwrap().as_str(), "missing_message_id");
+
+    let outputs: Vec<_> = got.iter().filter(|m| m.subject.as_str() != "chat.dlq").collect();
+    for m in &outputs {
+        let h = m.headers.as_ref().expect("headers");
+        assert_eq!(h.get("Content-Type").unwrap().as_str(), "application/x-protobuf");
+        let json = as_json(m);
+        let expected_id =
+            format!("{}:{}", json["stream"]["stream_id"].as_str().unwrap(), json["seq"].as_str().unwrap());
+        assert_eq!(h.get("Nats-Msg-Id").unwrap().as_str(), expected_id);
+        assert_eq!(h.get("traceparent").unwrap().as_str(), "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    }
+
+    // Same messages as `replay`, stream by stream, in the same order.
+    let mut replayed = Vec::new();
+    structured_sink::replay::replay(&config, transcript.as_bytes(), &mut replayed, std::io::sink()).unwrap();
+    let expected = by_stream(String::from_utf8(replayed).unwrap().lines().map(|l| {
+        let v: Value = serde_json::from_str(l).unwrap();
+        (v["subject"].as_str().unwrap().to_owned(), v["message"].clone())
+    }));
+    let actual = by_stream(outputs.iter().map(|m| (m.subject.to_string(), as_json(m))));
+    assert_eq!(actual.len(), 2);
+    assert_eq!(actual, expected);
+}
+
+#[tokio::test]
+async fn many_interleaved_streams_keep_their_order() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.shards.inbox_capacity = 8;
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+
+    let streams = 200;
+    let deltas = 20;
+    for d in 0..deltas {
+        for s in 0..streams {
+            let text =
+                if d == 5 { "<myapp:ModeSwitch:v1>x: 1</myapp:ModeSwitch:v1>".to_owned() } else { format!("{d},") };
+            let event = serde_json::json!({"type": "partial", "meta": {"message_id": format!("m-{s}")}, "delta": text});
+            client.publish("chat", event.to_string().into()).await.unwrap();
+        }
+    }
+    for s in 0..streams {
+        let event = serde_json::json!({"type": "final", "meta": {"message_id": format!("m-{s}")}});
+        client.publish("chat", event.to_string().into()).await.unwrap();
+    }
+    let got = collect(&mut filtered, Duration::from_secs(10), |ms| finals(ms) == streams).await;
+    service.shutdown().await.unwrap();
+
+    let mut per_stream: BTreeMap<String, Vec<proto::FilteredText>> = BTreeMap::new();
+    for m in &got {
+        let t = proto::FilteredText::decode(m.payload.clone()).unwrap();
+        per_stream.entry(t.stream.as_ref().unwrap().message_id.clone()).or_default().push(t);
+    }
+    assert_eq!(per_stream.len(), streams);
+    let expected: String = (0..deltas).filter(|d| *d != 5).map(|d| format!("{d},")).collect();
+    for (id, texts) in per_stream {
+        let seqs: Vec<u64> = texts.iter().map(|t| t.seq).collect();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{id}: {seqs:?}");
+        let joined: String = texts.iter().map(|t| t.delta.as_str()).collect();
+        assert_eq!(joined, expected, "{id}");
+        assert_eq!(texts.last().unwrap().text, expected);
+    }
+}
+
+#[tokio::test]
+async fn pass_through_and_every_bad_input_case() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.input.pass_through_subject = "chat.other".into();
+    config.input.max_event_bytes = 4096;
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut dlq = client.subscribe("chat.dlq").await.unwrap();
+    let mut other = client.subscribe("chat.other").await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+
+    let big = format!(r#"{{"type":"partial","meta":{{"message_id":"big"}},"delta":"{}"}}"#, "x".repeat(5000));
+    // Under the event limit, over the id limit.
+    let long_id = format!(r#"{{"type":"partial","meta":{{"message_id":"{}"}},"delta":"x"}}"#, "m".repeat(3000));
+    let cases: Vec<(String, &str)> = vec![
+        ("not json".into(), "invalid_json"),
+        ("[1,2,3]".into(), "not_an_object"),
+        (r#"{"type":"partial","meta":{},"delta":"x"}"#.into(), "missing_message_id"),
+        (r#"{"type":"partial","meta":{"message_id":""},"delta":"x"}"#.into(), "missing_message_id"),
+        (r#"{"type":"partial","meta":{"message_id":"w"},"delta":42}"#.into(), "wrong_field_type"),
+        (r#"{"type":"partial","meta":{"message_id":"w"},"delta":"\ud800"}"#.into(), "invalid_json"),
+        (big, "too_large"),
+        (long_id, "invalid_message_id"),
+    ];
+    for (payload, _) in &cases {
+        client.publish("chat", payload.clone().into()).await.unwrap();
+    }
+    let tool = r#"{"type":"tool-call","meta":{"message_id":"ok-1"},"tool_call":{"id":"t1","name":"x","input":"{}"}}"#;
+    client.publish("chat", tool.into()).await.unwrap();
+    // A healthy stream alongside: unaffected.
+    client.publish("chat", r#"{"type":"partial","meta":{"message_id":"ok-1"},"delta":"fine"}"#.into()).await.unwrap();
+    client.publish("chat", r#"{"type":"final","meta":{"message_id":"ok-1"}}"#.into()).await.unwrap();
+    // An event after the final: late, dead-lettered.
+    client.publish("chat", r#"{"type":"partial","meta":{"message_id":"ok-1"},"delta":"late"}"#.into()).await.unwrap();
+
+    let dead = collect(&mut dlq, Duration::from_secs(5), |ms| ms.len() == cases.len() + 1).await;
+    let passed = collect(&mut other, Duration::from_secs(5), |ms| !ms.is_empty()).await;
+    let texts = collect(&mut filtered, Duration::from_secs(5), |ms| finals(ms) == 1).await;
+    assert!(service.is_ready(), "bad input never stops the service");
+    let metrics = service.metrics().render();
+    service.shutdown().await.unwrap();
+
+    let reasons: Vec<String> =
+        dead.iter().map(|m| m.headers.as_ref().unwrap().get("Structured-Sink-Error").unwrap().to_string()).collect();
+    let mut expected: Vec<String> = cases.iter().map(|(_, r)| (*r).to_owned()).collect();
+    expected.push("stream_finished".into());
+    assert_eq!(reasons, expected);
+    for (m, (payload, _)) in dead.iter().zip(&cases) {
+        assert_eq!(m.payload.as_ref(), payload.as_bytes(), "dead letters carry the event unchanged");
+        assert_eq!(m.headers.as_ref().unwrap().get("Structured-Sink-Source-Subject").unwrap().as_str(), "chat");
+    }
+    assert_eq!(passed.len(), 1);
+    assert_eq!(passed[0].payload.as_ref(), tool.as_bytes());
+    let last = proto::FilteredText::decode(texts.last().unwrap().payload.clone()).unwrap();
+    assert_eq!(last.text, "fine");
+    assert!(metrics.contains("structured_sink_events_dead_lettered_total{reason=\"too_large\"} 1"), "{metrics}");
+}
+
+#[tokio::test]
+async fn idle_streams_expire_and_shutdown_closes_the_rest() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.shards.idle_timeout_ms = 300;
+    config.shards.expiry_tick_ms = 50;
+    let service = RunningService::start(config.clone()).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    let mut blocks = client.subscribe("chat.structured.>").await.unwrap();
+    client.flush().await.unwrap();
+    client
+        .publish("chat", r#"{"type":"partial","meta":{"message_id":"idle"},"delta":"hello <"}"#.into())
+        .await
+        .unwrap();
+    let got = collect(&mut filtered, Duration::from_secs(5), |ms| finals(ms) == 1).await;
+    let last = proto::FilteredText::decode(got.last().unwrap().payload.clone()).unwrap();
+    assert_eq!((last.finish_reason.as_str(), last.delta.as_str(), last.text.as_str()), ("expired", "<", "hello <"));
+    service.shutdown().await.unwrap();
+
+    // Shutdown mid-stream: held bytes released, the open block completed, reason `shutdown`.
+    config.shards.idle_timeout_ms = 60_000;
+    let service = RunningService::start(config).await.unwrap();
+    client
+        .publish(
+            "chat",
+            r#"{"type":"partial","meta":{"message_id":"cut"},"delta":"a <myapp:ModeSwitch:v1>x: 1"}"#.into(),
+        )
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    // The event is on its way; shutdown must still process it.
+    service.shutdown().await.unwrap();
+    let got = collect(&mut filtered, Duration::from_secs(5), |ms| finals(ms) == 1).await;
+    let last = proto::FilteredText::decode(got.last().unwrap().payload.clone()).unwrap();
+    assert_eq!((last.finish_reason.as_str(), last.text.as_str()), ("shutdown", "a "));
+    let events = collect(&mut blocks, Duration::from_secs(5), |ms| ms.len() == 3).await;
+    let completed = proto::BlockEvent::decode(events[2].payload.clone()).unwrap();
+    match completed.event {
+        Some(proto::block_event::Event::Completed(c)) => {
+            assert!(!c.success);
+            assert_eq!(c.error, "missing close tag </myapp:ModeSwitch:v1>");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn reconnects_after_the_server_restarts() {
+    let mut server = NatsServer::start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    server.restart();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    // Publish until the service has resubscribed and answers.
+    let mut got = Vec::new();
+    for attempt in 0..50 {
+        let event =
+            serde_json::json!({"type": "final", "meta": {"message_id": format!("after-{attempt}")}, "text": "back"});
+        client.publish("chat", event.to_string().into()).await.unwrap();
+        got = collect(&mut filtered, Duration::from_millis(200), |ms| !ms.is_empty()).await;
+        if !got.is_empty() {
+            break;
+        }
+    }
+    assert!(!got.is_empty(), "no output after the restart");
+    let text = proto::FilteredText::decode(got[0].payload.clone()).unwrap();
+    assert_eq!(text.text, "back");
+    assert!(service
+        .metrics()
+        .render()
+        .contains("structured_sink_nats_connection_events_total{event=\"disconnected\"} 1"));
+    service.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn replicas_are_discoverable_and_report_health() {
+    let server = NatsServer::start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+
+    let ping = client.request("$SRV.PING.structured-sink", "".into()).await.unwrap();
+    let ping: Value = serde_json::from_slice(&ping.payload).unwrap();
+    assert_eq!(ping["name"], "structured-sink");
+    assert_eq!(ping["version"], env!("CARGO_PKG_VERSION"));
+    let stats = client.request("$SRV.STATS.structured-sink", "".into()).await.unwrap();
+    let stats: Value = serde_json::from_slice(&stats.payload).unwrap();
+    assert!(stats["endpoints"][0]["data"]["events_received"].is_u64(), "{stats}");
+
+    let address = service.http_address().unwrap();
+    let get = |path: &'static str| async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        stream
+            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    };
+    assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+    assert!(get("/readyz").await.starts_with("HTTP/1.1 200"));
+    let metrics = get("/metrics").await;
+    assert!(metrics.contains("structured_sink_events_received_total"), "{metrics}");
+    service.shutdown().await.unwrap();
+}
