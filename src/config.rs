@@ -15,7 +15,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 use crate::bus::NatsConfig;
-use crate::codec::outbound::OutputSubjects;
+use crate::codec::outbound::{OutputSubjects, TextEncoding};
 use crate::codec::subject::{is_valid_publish_subject, patterns_overlap};
 use crate::pipeline::{CumulativeText, MalformedPolicy, PipelineLimits, TagKind, TagSpec};
 
@@ -399,7 +399,7 @@ impl Config {
         if self.shards.idle_timeout_ms == 0 || self.shards.expiry_tick_ms == 0 {
             return Err(ConfigError::invalid("shards.idle_timeout_ms", "timeouts must be greater than 0"));
         }
-        crate::pipeline::Pipeline::new(self.tag_specs(), self.pipeline.limits())
+        crate::pipeline::Pipeline::new(self.tag_specs(), self.pipeline_limits())
             .map_err(|e| ConfigError::invalid("tags", e.to_string()))?;
         Ok(self)
     }
@@ -412,6 +412,24 @@ impl Config {
             out.push(self.input.pass_through_subject.clone());
         }
         out
+    }
+
+    /// The core's limits. `geppetto-json` output needs the cumulative text on every message (its
+    /// `completion` field), so that format forces `cumulative_text = "every"`.
+    pub fn pipeline_limits(&self) -> PipelineLimits {
+        let mut limits = self.pipeline.limits();
+        if self.output.format == OutputFormat::GeppettoJson {
+            limits.cumulative_text = CumulativeText::Every;
+        }
+        limits
+    }
+
+    /// How visible text is encoded.
+    pub fn text_encoding(&self) -> TextEncoding {
+        match self.output.format {
+            OutputFormat::Protobuf => TextEncoding::Protobuf,
+            OutputFormat::GeppettoJson => TextEncoding::GeppettoJson,
+        }
     }
 
     /// The core's view of the registered tags.

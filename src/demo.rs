@@ -152,6 +152,7 @@ pub async fn run(base: Config) -> Result<(), DemoError> {
             continue;
         };
         let type_name: &'static str = match type_name.as_str() {
+            crate::codec::outbound::GEPPETTO_EVENT_TYPE => crate::codec::outbound::GEPPETTO_EVENT_TYPE,
             crate::codec::proto::names::FILTERED_TEXT => crate::codec::proto::names::FILTERED_TEXT,
             crate::codec::proto::names::BLOCK_EVENT => crate::codec::proto::names::BLOCK_EVENT,
             crate::codec::proto::names::THINKING_TEXT => crate::codec::proto::names::THINKING_TEXT,
@@ -174,6 +175,12 @@ pub async fn run(base: Config) -> Result<(), DemoError> {
             let stream = json["stream"]["stream_id"].as_str().unwrap_or_default().to_owned();
             visible.entry(stream).or_default().push_str(json["delta"].as_str().unwrap_or_default());
             if json["final"] == true {
+                finals += 1;
+            }
+        } else if type_name == crate::codec::outbound::GEPPETTO_EVENT_TYPE {
+            let stream = json["meta"]["message_id"].as_str().unwrap_or_default().to_owned();
+            visible.entry(stream).or_default().push_str(json["delta"].as_str().unwrap_or_default());
+            if matches!(json["type"].as_str(), Some("final" | "text-segment-finished")) {
                 finals += 1;
             }
         }

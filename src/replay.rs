@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use prost_reflect::{DynamicMessage, SerializeOptions};
 
 use crate::codec::inbound::decode;
-use crate::codec::outbound::{OutputEncoder, Publication};
+use crate::codec::outbound::{OutputEncoder, Publication, GEPPETTO_EVENT_TYPE};
 use crate::codec::proto::descriptor_pool;
 use crate::config::Config;
 use crate::pipeline::Pipeline;
@@ -43,9 +43,9 @@ pub fn replay(
     mut out: impl Write,
     mut err: impl Write,
 ) -> io::Result<ReplaySummary> {
-    let pipeline = Pipeline::new(config.tag_specs(), config.pipeline.limits())
+    let pipeline = Pipeline::new(config.tag_specs(), config.pipeline_limits())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-    let encoder = OutputEncoder::new(&pipeline, &config.output.subjects);
+    let encoder = OutputEncoder::with_text_encoding(&pipeline, &config.output.subjects, config.text_encoding());
     let limits = TableLimits {
         // Offline there is no idle time; the stream bound still applies, as in one shard.
         idle_timeout: Duration::MAX,
@@ -71,7 +71,7 @@ pub fn replay(
                 continue;
             }
         };
-        match table.apply(&event, now, &mut |p| published.push(p)) {
+        match table.apply(&event, now, &mut |p| published.push(p), &mut |_| {}) {
             Disposition::Applied => {}
             Disposition::PassThrough if !config.input.pass_through_subject.is_empty() => {
                 let message: serde_json::Value = serde_json::from_str(&line)?;
@@ -118,6 +118,9 @@ pub fn write_publication(out: &mut impl Write, p: &Publication) -> io::Result<()
 /// The proto3 JSON form (proto field names) of a publication's message.
 pub fn publication_json(p: &Publication) -> io::Result<serde_json::Value> {
     let invalid = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+    if p.type_name == GEPPETTO_EVENT_TYPE {
+        return serde_json::from_slice(&p.payload).map_err(|e| invalid(e.to_string()));
+    }
     let descriptor = descriptor_pool()
         .get_message_by_name(p.type_name)
         .ok_or_else(|| invalid(format!("unknown message type {}", p.type_name)))?;

@@ -119,9 +119,9 @@ impl RunningService {
             "connected to NATS"
         );
 
-        let pipeline = Pipeline::new(config.tag_specs(), config.pipeline.limits())
+        let pipeline = Pipeline::new(config.tag_specs(), config.pipeline_limits())
             .map_err(|e| crate::config::ConfigError::Invalid { key: "tags".into(), reason: e.to_string() })?;
-        let encoder = OutputEncoder::new(&pipeline, &config.output.subjects);
+        let encoder = OutputEncoder::with_text_encoding(&pipeline, &config.output.subjects, config.text_encoding());
         let limits = TableLimits {
             idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
             max_streams: (config.shards.max_streams / config.shard_count()).max(1),
@@ -396,6 +396,12 @@ impl ShardSink<Envelope> for NatsSink {
             other => other,
         };
         self.dead_letter_with_detail(envelope, reason, detail).await;
+    }
+
+    fn stream_opened(&mut self, span: &tracing::Span, cause: &Envelope) {
+        let Some(headers) = cause.headers.as_ref() else { return };
+        let parent = crate::telemetry::extract_context(|name| headers.get(name).map(|v| v.to_string()));
+        crate::telemetry::set_remote_parent(span, parent);
     }
 
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats) {

@@ -53,6 +53,42 @@ impl OutputSubjects {
 /// The `Content-Type` of protobuf outputs.
 pub const PROTOBUF_CONTENT_TYPE: &str = "application/x-protobuf";
 
+/// The `Content-Type` of geppetto JSON outputs.
+pub const JSON_CONTENT_TYPE: &str = "application/json";
+/// The type name announced for geppetto JSON outputs.
+pub const GEPPETTO_EVENT_TYPE: &str = "geppetto.Event";
+
+/// How visible text is encoded; block, thinking and tool events are always protobuf.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum TextEncoding {
+    /// `structuredsink.v1.FilteredText`.
+    #[default]
+    Protobuf,
+    /// geppetto event JSON in the vocabulary the stream arrived in: `partial`/`final` (legacy) or
+    /// `text-delta`/`text-segment-finished` (canonical), with the filtered `delta` and the
+    /// cumulative filtered `completion`/`text`.
+    GeppettoJson,
+}
+
+/// The geppetto vocabulary a stream arrived in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vocabulary {
+    /// `partial`, `final`, `interrupt`, `error` (geppetto up to v0.11.22).
+    Legacy,
+    /// `text-delta`, `text-segment-finished` (v0.11.23 and later).
+    Canonical,
+}
+
+impl Vocabulary {
+    /// The vocabulary of an event type.
+    pub fn of(event_type: &str) -> Vocabulary {
+        match event_type {
+            "text-delta" | "text-segment-finished" => Vocabulary::Canonical,
+            _ => Vocabulary::Legacy,
+        }
+    }
+}
+
 /// One message ready to publish.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Publication {
@@ -74,11 +110,13 @@ pub struct StreamHeader {
     stream_id: Box<str>,
     /// Field 1 (`stream`) of every output message, key and length included.
     stream_field: Bytes,
+    /// The vocabulary the stream arrived in (for geppetto JSON output).
+    vocabulary: Vocabulary,
 }
 
 impl StreamHeader {
-    /// Prepares the header of the stream `identity`.
-    pub fn new(identity: &StreamIdentity<'_>) -> Self {
+    /// Prepares the header of the stream `identity`, which arrived in `vocabulary`.
+    pub fn new(identity: &StreamIdentity<'_>, vocabulary: Vocabulary) -> Self {
         let reference = proto::StreamRef {
             message_id: identity.message_id.to_string(),
             stream_id: identity.stream_id.to_string(),
@@ -88,7 +126,7 @@ impl StreamHeader {
         };
         let mut field = BytesMut::with_capacity(reference.encoded_len() + 4);
         prost::encoding::message::encode(1, &reference, &mut field);
-        StreamHeader { stream_id: identity.stream_id.as_ref().into(), stream_field: field.freeze() }
+        StreamHeader { stream_id: identity.stream_id.as_ref().into(), stream_field: field.freeze(), vocabulary }
     }
 
     /// The stream id.
@@ -117,6 +155,7 @@ struct TagOut {
 /// Encodes outputs of any stream of one pipeline.
 #[derive(Debug, Clone)]
 pub struct OutputEncoder {
+    text_encoding: TextEncoding,
     filtered: Arc<str>,
     thinking: Arc<str>,
     tools: Arc<str>,
@@ -126,6 +165,11 @@ pub struct OutputEncoder {
 impl OutputEncoder {
     /// Precomputes subjects and tag references for `pipeline`'s tags.
     pub fn new(pipeline: &Pipeline, subjects: &OutputSubjects) -> Self {
+        Self::with_text_encoding(pipeline, subjects, TextEncoding::Protobuf)
+    }
+
+    /// Like [`OutputEncoder::new`], encoding visible text as `text_encoding`.
+    pub fn with_text_encoding(pipeline: &Pipeline, subjects: &OutputSubjects, text_encoding: TextEncoding) -> Self {
         let tags = pipeline
             .tags()
             .iter()
@@ -154,6 +198,7 @@ impl OutputEncoder {
             })
             .collect();
         OutputEncoder {
+            text_encoding,
             filtered: subjects.filtered.as_str().into(),
             thinking: subjects.thinking.as_str().into(),
             tools: subjects.tools.as_str().into(),
@@ -169,6 +214,18 @@ impl OutputEncoder {
     /// Encodes one output of the stream `header`.
     pub fn encode(&self, header: &StreamHeader, output: &Output<'_>) -> Publication {
         let seq = output.seq;
+        if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish }) =
+            (self.text_encoding, &output.kind)
+        {
+            let payload = geppetto_json(header, seq, delta, *text, finish.map(|f| f.reason));
+            return Publication {
+                subject: self.filtered.clone(),
+                type_name: GEPPETTO_EVENT_TYPE,
+                content_type: JSON_CONTENT_TYPE,
+                payload,
+                msg_id: format!("{}:{}", header.stream_id, seq),
+            };
+        }
         let (subject, type_name, payload) = match &output.kind {
             OutputKind::Text { delta, text, finish } => {
                 let msg = proto::FilteredText {
@@ -284,6 +341,43 @@ impl OutputEncoder {
     }
 }
 
+/// Encodes filtered text as a geppetto event in the stream's vocabulary. The identity fields come
+/// from the encoded `StreamRef`, so the header keeps a single copy of them.
+fn geppetto_json(header: &StreamHeader, seq: u64, delta: &str, text: Option<&str>, finish: Option<&str>) -> Bytes {
+    let reference = proto::FilteredText::decode(&header.stream_field[..]).unwrap_or_default();
+    let stream = reference.stream.unwrap_or_default();
+    let mut meta = serde_json::Map::new();
+    for (key, value) in [
+        ("message_id", &stream.message_id),
+        ("session_id", &stream.session_id),
+        ("inference_id", &stream.inference_id),
+        ("turn_id", &stream.turn_id),
+    ] {
+        if !value.is_empty() {
+            meta.insert(key.to_owned(), value.as_str().into());
+        }
+    }
+    let text = text.unwrap_or_default();
+    let event = match (header.vocabulary, finish) {
+        (Vocabulary::Legacy, None) => serde_json::json!({
+            "type": "partial", "meta": meta, "delta": delta, "completion": text,
+        }),
+        (Vocabulary::Legacy, Some(reason)) => {
+            meta.insert("stop_reason".to_owned(), reason.into());
+            serde_json::json!({ "type": "final", "meta": meta, "delta": delta, "text": text })
+        }
+        (Vocabulary::Canonical, None) => serde_json::json!({
+            "type": "text-delta", "meta": meta, "correlation": { "segment_id": stream.stream_id },
+            "delta": delta, "text": text, "sequence": seq,
+        }),
+        (Vocabulary::Canonical, Some(reason)) => serde_json::json!({
+            "type": "text-segment-finished", "meta": meta, "correlation": { "segment_id": stream.stream_id },
+            "delta": delta, "text": text, "finish_reason": reason,
+        }),
+    };
+    Bytes::from(serde_json::to_vec(&event).unwrap_or_default())
+}
+
 /// Encodes `msg` (whose `stream` field is unset) followed by the stream's field 1.
 fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
     let mut buf = BytesMut::with_capacity(header.stream_field.len() + msg.encoded_len());
@@ -338,7 +432,7 @@ mod tests {
             session_id: Cow::Borrowed("sess"),
             ..Default::default()
         };
-        (pipeline, encoder, StreamHeader::new(&identity))
+        (pipeline, encoder, StreamHeader::new(&identity, Vocabulary::Legacy))
     }
 
     #[test]

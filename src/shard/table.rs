@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use hashlink::{LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent};
-use crate::codec::outbound::{OutputEncoder, Publication, StreamHeader};
+use crate::codec::outbound::{OutputEncoder, Publication, StreamHeader, Vocabulary};
 use crate::pipeline::{Output, Pipeline, PipelineStats, StreamState};
 
 /// Bounds of a table.
@@ -59,6 +59,8 @@ struct OpenStream {
     state: StreamState,
     header: StreamHeader,
     last_seen: Instant,
+    /// One span per stream lifecycle (never per delta); it ends when the stream closes.
+    span: tracing::Span,
 }
 
 /// One shard's streams.
@@ -111,8 +113,15 @@ impl StreamTable {
         self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum()
     }
 
-    /// Applies one decoded event at `now`; its outputs go to `sink` in stream order.
-    pub fn apply(&mut self, event: &InboundEvent<'_>, now: Instant, sink: &mut impl FnMut(Publication)) -> Disposition {
+    /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
+    /// event opens a stream, `opened` sees the stream's new span first (to set its parent).
+    pub fn apply(
+        &mut self,
+        event: &InboundEvent<'_>,
+        now: Instant,
+        sink: &mut impl FnMut(Publication),
+        opened: &mut dyn FnMut(&tracing::Span),
+    ) -> Disposition {
         let stream_id = event.stream.stream_id.as_ref();
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
@@ -121,7 +130,7 @@ impl StreamTable {
                 Disposition::Late
             }
             EventAction::Delta(delta) => {
-                self.ensure_open(event, now, sink);
+                self.ensure_open(event, now, sink, opened);
                 let (pipeline, encoder) = (&mut self.pipeline, &self.encoder);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
                 open.last_seen = now;
@@ -130,7 +139,7 @@ impl StreamTable {
                 Disposition::Applied
             }
             EventAction::Finish { text, reason } => {
-                self.ensure_open(event, now, sink);
+                self.ensure_open(event, now, sink, opened);
                 let open = self.streams.remove(stream_id).expect("ensure_open opened it");
                 self.stats.finished += 1;
                 self.close(stream_id.into(), open, text.as_deref(), reason, sink);
@@ -164,7 +173,13 @@ impl StreamTable {
     }
 
     /// Makes sure the event's stream is open and most recently used, evicting if needed.
-    fn ensure_open(&mut self, event: &InboundEvent<'_>, now: Instant, sink: &mut impl FnMut(Publication)) {
+    fn ensure_open(
+        &mut self,
+        event: &InboundEvent<'_>,
+        now: Instant,
+        sink: &mut impl FnMut(Publication),
+        opened: &mut dyn FnMut(&tracing::Span),
+    ) {
         let stream_id = event.stream.stream_id.as_ref();
         if self.streams.to_back(stream_id).is_some() {
             return;
@@ -175,7 +190,18 @@ impl StreamTable {
             self.close(id, open, None, "evicted", sink);
         }
         self.stats.opened += 1;
-        let open = OpenStream { state: StreamState::new(), header: StreamHeader::new(&event.stream), last_seen: now };
+        // Ids only: never text. Field names follow the OpenTelemetry messaging conventions.
+        let span = tracing::info_span!(
+            "stream",
+            messaging.system = "nats",
+            messaging.message.id = %event.stream.message_id,
+            stream.id = %event.stream.stream_id,
+            stream.outputs = tracing::field::Empty,
+            stream.finish_reason = tracing::field::Empty,
+        );
+        opened(&span);
+        let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
+        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span };
         self.streams.insert(stream_id.into(), open);
     }
 
@@ -189,6 +215,8 @@ impl StreamTable {
     ) {
         let (pipeline, encoder, header) = (&mut self.pipeline, &self.encoder, &open.header);
         pipeline.finish(&mut open.state, final_text, reason, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
+        open.span.record("stream.outputs", open.state.seq());
+        open.span.record("stream.finish_reason", reason);
         if self.limits.finished_memory > 0 {
             if self.finished.len() >= self.limits.finished_memory {
                 self.finished.pop_front();

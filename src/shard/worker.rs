@@ -31,6 +31,8 @@ pub trait ShardSink<E>: Send + 'static {
     fn pass_through(&mut self, envelope: E) -> impl Future<Output = ()> + Send;
     /// Sends an event that cannot be applied to the dead-letter subject with a reason code.
     fn dead_letter(&mut self, envelope: E, reason: &'static str) -> impl Future<Output = ()> + Send;
+    /// A stream opened because of the event with `cause`: its span may take a parent from it.
+    fn stream_opened(&mut self, span: &tracing::Span, cause: &E);
     /// Reports counters after a change (cheap: called after each event and tick).
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats);
     /// Makes sure everything published so far has left the process.
@@ -167,7 +169,8 @@ async fn run_worker<E, S>(
             next = inbox.recv() => {
                 let Some(ShardEvent { event, envelope }) = next else { break };
                 let now = tokio::time::Instant::now().into_std();
-                match table.apply(&event, now, &mut |p| outputs.push(p)) {
+                let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
+                match table.apply(&event, now, &mut |p| outputs.push(p), opened) {
                     Disposition::Applied => {
                         for p in outputs.drain(..) {
                             sink.publish(p, Some(&envelope)).await;
@@ -218,6 +221,7 @@ mod tests {
         async fn dead_letter(&mut self, envelope: u32, reason: &'static str) {
             self.0.lock().unwrap().push(format!("dead {envelope} {reason}"));
         }
+        fn stream_opened(&mut self, _: &tracing::Span, _: &u32) {}
         fn report(&mut self, _: usize, _: usize, _: TableStats, _: PipelineStats) {}
         async fn flush(&mut self) {
             self.0.lock().unwrap().push("flush".into());

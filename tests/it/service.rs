@@ -336,3 +336,50 @@ async fn replicas_are_discoverable_and_report_health() {
     assert!(metrics.contains("structured_sink_events_received_total"), "{metrics}");
     service.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn geppetto_json_output_keeps_each_streams_vocabulary() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.output.format = structured_sink::config::OutputFormat::GeppettoJson;
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    let mut blocks = client.subscribe("chat.structured.>").await.unwrap();
+    client.flush().await.unwrap();
+    for line in include_str!("../../examples/transcripts/conversation.jsonl").lines() {
+        client.publish("chat", line.as_bytes().to_vec().into()).await.unwrap();
+    }
+    let is_end = |m: &async_nats::Message| {
+        let v: Value = serde_json::from_slice(&m.payload).unwrap();
+        matches!(v["type"].as_str(), Some("final" | "text-segment-finished"))
+    };
+    let got = collect(&mut filtered, Duration::from_secs(5), |ms| ms.iter().filter(|m| is_end(m)).count() == 2).await;
+    let block = collect(&mut blocks, Duration::from_secs(5), |ms| !ms.is_empty()).await;
+    service.shutdown().await.unwrap();
+
+    let events: Vec<Value> = got.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
+    for m in &got {
+        assert_eq!(m.headers.as_ref().unwrap().get("Content-Type").unwrap().as_str(), "application/json");
+    }
+    let legacy: Vec<&Value> =
+        events.iter().filter(|e| e["meta"]["message_id"] == "3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071").collect();
+    assert!(legacy[..legacy.len() - 1].iter().all(|e| e["type"] == "partial"));
+    let mut completion = String::new();
+    for e in &legacy[..legacy.len() - 1] {
+        completion.push_str(e["delta"].as_str().unwrap());
+        assert_eq!(e["completion"].as_str().unwrap(), completion, "completion is the cumulative filtered text");
+    }
+    let last = legacy.last().unwrap();
+    assert_eq!(last["type"], "final");
+    assert_eq!(last["meta"]["stop_reason"], "stop");
+    assert!(!last["text"].as_str().unwrap().contains("<myapp:ModeSwitch:v1>"));
+
+    let canonical: Vec<&Value> =
+        events.iter().filter(|e| e["meta"]["message_id"] == "9b1d7f00-0000-4000-8000-000000000002").collect();
+    assert!(canonical[..canonical.len() - 1].iter().all(|e| e["type"] == "text-delta"));
+    assert_eq!(canonical.last().unwrap()["type"], "text-segment-finished");
+    assert_eq!(canonical.last().unwrap()["text"], "Sources:  done.");
+    // Typed events stay protobuf.
+    assert_eq!(block[0].headers.as_ref().unwrap().get("Content-Type").unwrap().as_str(), "application/x-protobuf");
+}
