@@ -139,8 +139,11 @@ pub async fn run(base: Config) -> Result<(), DemoError> {
     let mut finals = 0;
     let mut visible: BTreeMap<String, String> = BTreeMap::new();
     println!("\ndownstream: what arrives on each subject\n");
-    while finals < streams {
-        let message = match tokio::time::timeout(Duration::from_secs(10), outputs.next()).await {
+    // Subjects are separate subscriptions, so after the last final a few messages of other
+    // subjects may still be on their way: wait briefly for them.
+    loop {
+        let wait = if finals < streams { Duration::from_secs(10) } else { Duration::from_millis(300) };
+        let message = match tokio::time::timeout(wait, outputs.next()).await {
             Ok(Some(message)) => message,
             _ => break,
         };

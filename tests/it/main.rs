@@ -1,6 +1,7 @@
 //! Integration tests: one binary, one module per area. Tests that need NATS start their own
 //! `nats-server` on a random port (see `support`).
 
+mod cli;
 mod harness;
 mod replay;
 mod service;

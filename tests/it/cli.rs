@@ -1,0 +1,134 @@
+//! The `structured-sink` binary as an operator runs it: demo, config, bad configuration, serve
+//! with a signal.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use prost::Message as _;
+use structured_sink::codec::proto;
+
+use crate::support::{find_nats_server, NatsServer};
+
+fn binary() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
+    command.env_remove("STRUCTURED_SINK_CONFIG").env_remove("NATS_URL").env_remove("RUST_LOG");
+    command
+}
+
+#[test]
+fn demo_runs_against_its_own_server() {
+    let server = find_nats_server(std::env::var_os("NATS_SERVER_BIN"), std::env::var_os("PATH"), &[]).unwrap();
+    let output = binary().arg("demo").env("NATS_SERVER_BIN", server).output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("started nats-server at nats://127.0.0.1:"), "{stdout}");
+    assert!(stdout.contains("chat.structured.myapp.ModeSwitch.v1"), "{stdout}");
+    assert!(stdout.contains("chat.thinking"), "{stdout}");
+    assert!(stdout.contains("chat.tools"), "{stdout}");
+    assert!(stdout.contains("dead letter (missing_message_id)"), "{stdout}");
+    let read = stdout.split("what the users read:").nth(1).expect("the readable part");
+    assert!(read.contains("Switching now. \nNote that a < b and <b>bold</b> stay as text."), "{read}");
+    assert!(!read.contains("new_mode"), "{read}");
+}
+
+#[test]
+fn demo_uses_nats_url_when_set() {
+    let server = NatsServer::start();
+    let output = binary().arg("demo").env("NATS_URL", server.url()).env("PATH", "").output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(!stdout.contains("started nats-server"));
+    assert!(stdout.contains("Sources:  done."), "{stdout}");
+}
+
+#[test]
+fn demo_without_a_server_says_how_to_get_one() {
+    let output =
+        binary().arg("demo").env("PATH", "").env("NATS_SERVER_BIN", "/nonexistent/nats-server").output().unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("nats-server did not start") || stderr.contains("apt-get install nats-server"), "{stderr}");
+    let output = binary().arg("demo").env("PATH", "").output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if !std::path::Path::new("/usr/sbin/nats-server").exists() {
+        assert!(stderr.contains("apt-get install nats-server"), "{stderr}");
+    }
+}
+
+#[test]
+fn config_prints_effective_settings_with_secrets_masked() {
+    let output = binary()
+        .arg("config")
+        .env("STRUCTURED_SINK__NATS__TOKEN", "very-secret-token")
+        .args(["--set", "shards.count=3"])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!stdout.contains("very-secret-token"), "{stdout}");
+    assert!(stdout.contains("token = \"***\""), "{stdout}");
+    assert!(stdout.contains("count = 3"), "{stdout}");
+}
+
+#[test]
+fn bad_configuration_stops_start_up_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "[shards]\nidle_timeout = 5\n").unwrap();
+    let output = binary().arg("--config").arg(&file).arg("serve").output().unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("idle_timeout"));
+    let output = binary().args(["--set", "input.subjects=[\"chat.>\"]", "serve"]).output().unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("feedback loop"));
+}
+
+#[tokio::test]
+async fn serve_stops_on_sigterm_and_closes_open_streams() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let child = binary()
+        .arg("serve")
+        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{}\"]", server.url()))
+        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Publish until the service answers (it is ready once it has subscribed).
+    let mut ready = false;
+    for _ in 0..100 {
+        client.publish("chat", r#"{"type":"final","meta":{"message_id":"probe"},"text":"x"}"#.into()).await.unwrap();
+        if let Ok(Some(_)) =
+            tokio::time::timeout(Duration::from_millis(100), futures::StreamExt::next(&mut filtered)).await
+        {
+            ready = true;
+            break;
+        }
+    }
+    assert!(ready, "the service never answered");
+    client
+        .publish("chat", r#"{"type":"partial","meta":{"message_id":"open"},"delta":"unfinished"}"#.into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    let mut last = None;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(2), futures::StreamExt::next(&mut filtered)).await
+    {
+        let t = proto::FilteredText::decode(m.payload).unwrap();
+        if t.stream.as_ref().unwrap().message_id == "open" && t.r#final {
+            last = Some(t);
+            break;
+        }
+    }
+    let last = last.expect("the open stream was closed at shutdown");
+    assert_eq!((last.finish_reason.as_str(), last.text.as_str()), ("shutdown", "unfinished"));
+    assert!(String::from_utf8_lossy(&status.stderr).contains("stopped"));
+}
