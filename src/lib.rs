@@ -25,3 +25,4 @@ pub mod scanner;
 pub mod service;
 pub mod shard;
 pub mod telemetry;
+pub mod typed;
