@@ -15,9 +15,12 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 use crate::bus::NatsConfig;
+use crate::codec::outbound::OutputEncoder;
 use crate::codec::outbound::{OutputSubjects, TextEncoding};
 use crate::codec::subject::{is_valid_publish_subject, patterns_overlap};
-use crate::pipeline::{CumulativeText, MalformedPolicy, PipelineLimits, TagKind, TagSpec};
+use crate::payload::PayloadFormat;
+use crate::pipeline::{CumulativeText, MalformedPolicy, Pipeline, PipelineLimits, TagKind, TagSpec};
+use crate::typed::SchemaRegistry;
 
 /// The prefix of environment variables; `__` separates nested keys.
 pub const ENV_PREFIX: &str = "STRUCTURED_SINK__";
@@ -58,8 +61,11 @@ pub struct Config {
     /// Stream-wide filtering rules and limits.
     pub pipeline: PipelineConfig,
     /// The registered tags. This list replaces the default list as a whole: to disable a default
-    /// tag (thinking, tool calls), leave it out.
+    /// tag (thinking, tool calls), leave it out. Every block type declared in a loaded `.proto`
+    /// file (see `schemas`) is registered too, unless listed here.
     pub tags: Vec<TagConfig>,
+    /// Block types declared in `.proto` files.
+    pub schemas: SchemasConfig,
     /// Per-stream state and its workers.
     pub shards: ShardConfig,
     /// Metrics and health endpoints.
@@ -78,6 +84,7 @@ impl Default for Config {
             output: OutputConfig::default(),
             pipeline: PipelineConfig::default(),
             tags: default_tags(),
+            schemas: SchemasConfig::default(),
             shards: ShardConfig::default(),
             http: HttpConfig::default(),
             telemetry: TelemetryConfig::default(),
@@ -88,14 +95,24 @@ impl Default for Config {
 
 /// The tags registered when the configuration names none.
 pub fn default_tags() -> Vec<TagConfig> {
-    let tag = |name: &str, kind| TagConfig { name: name.into(), kind, max_capture_bytes: None };
+    // The built-in block types (`geppetto:citations:v1`, `pinocchio:agent_mode_switch:v1`) come
+    // from their `.proto` declarations.
     vec![
-        tag("thinking", TagKind::Channel),
-        tag("think", TagKind::Channel),
-        tag("tool", TagKind::ToolCall),
-        tag("geppetto:citations:v1", TagKind::Block),
-        tag("pinocchio:agent_mode_switch:v1", TagKind::Block),
+        TagConfig::new("thinking", TagKind::Channel),
+        TagConfig::new("think", TagKind::Channel),
+        TagConfig::new("tool", TagKind::ToolCall),
     ]
+}
+
+/// Where block types are declared.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SchemasConfig {
+    /// Directories searched recursively for `.proto` files. Every message with the
+    /// `(structuredsink.v1.block) = { tag: "p:t:v" }` option becomes a block type: its payload is
+    /// converted into that message and published as `google.protobuf.Any`. The built-in types are
+    /// always loaded. A schema error stops start-up naming the file and line.
+    pub dirs: Vec<std::path::PathBuf>,
 }
 
 /// What the service consumes.
@@ -213,12 +230,34 @@ pub struct TagConfig {
     /// Overrides `pipeline.max_capture_bytes` for this tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_capture_bytes: Option<usize>,
+    /// Blocks: how the payload is decoded: `yaml` (default), `json` or `raw`. The first fenced
+    /// code block is used when there is one.
+    #[serde(default)]
+    pub payload: PayloadFormat,
+    /// Blocks: publish live `snapshot` events of the value parsed so far (default true).
+    #[serde(default = "default_true")]
+    pub snapshots: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl TagConfig {
+    /// A tag with default settings.
+    pub fn new(name: &str, kind: TagKind) -> Self {
+        TagConfig { name: name.into(), kind, max_capture_bytes: None, payload: PayloadFormat::Yaml, snapshots: true }
+    }
+
     /// The core's view of this tag.
     pub fn spec(&self) -> TagSpec {
-        TagSpec { name: self.name.clone(), kind: self.kind, max_capture_bytes: self.max_capture_bytes }
+        TagSpec {
+            name: self.name.clone(),
+            kind: self.kind,
+            max_capture_bytes: self.max_capture_bytes,
+            payload: self.payload,
+            snapshots: self.snapshots,
+        }
     }
 }
 
@@ -432,9 +471,35 @@ impl Config {
         }
     }
 
-    /// The core's view of the registered tags.
+    /// The core's view of the configured tags (without declared block types).
     pub fn tag_specs(&self) -> Vec<TagSpec> {
         self.tags.iter().map(TagConfig::spec).collect()
+    }
+
+    /// Loads the block types declared in `schemas.dirs` (and the built-in ones).
+    pub fn load_schemas(&self) -> Result<SchemaRegistry, ConfigError> {
+        SchemaRegistry::load(&self.schemas.dirs).map_err(|e| ConfigError::invalid("schemas.dirs", e.to_string()))
+    }
+
+    /// The configured tags plus every declared block type not configured explicitly.
+    pub fn tag_specs_with(&self, registry: &SchemaRegistry) -> Vec<TagSpec> {
+        let mut specs = self.tag_specs();
+        for tag in registry.tags() {
+            if !specs.iter().any(|s| s.name == tag) {
+                specs.push(TagSpec::new(tag, TagKind::Block));
+            }
+        }
+        specs
+    }
+
+    /// The pipeline and encoder this configuration describes: the one place both the service and
+    /// `replay` build them, so they cannot drift apart.
+    pub fn processing(&self, registry: &SchemaRegistry) -> Result<(Pipeline, OutputEncoder), ConfigError> {
+        let pipeline = Pipeline::new(self.tag_specs_with(registry), self.pipeline_limits())
+            .map_err(|e| ConfigError::invalid("tags", e.to_string()))?;
+        let encoder = OutputEncoder::with_text_encoding(&pipeline, &self.output.subjects, self.text_encoding())
+            .with_schemas(&pipeline, registry);
+        Ok((pipeline, encoder))
     }
 
     /// The effective number of shard workers.
@@ -466,7 +531,7 @@ mod tests {
             let c = Config::load(None, &[]).unwrap();
             assert_eq!(c.input.subjects, vec!["chat".to_owned()]);
             assert_eq!(c.pipeline.max_capture_bytes, 1 << 20);
-            assert_eq!(c.tags.len(), 5);
+            assert_eq!(c.tags.len(), 3);
             Ok(())
         });
     }

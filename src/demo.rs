@@ -110,6 +110,7 @@ pub async fn run(base: Config) -> Result<(), DemoError> {
     config.nats.servers = vec![url.clone()];
     config.http.enabled = false;
     config.tags = demo_tags.tags;
+    let registry = config.load_schemas()?;
     let service = RunningService::start(config.clone()).await?;
     println!("structured-sink is running (subscribed to {:?})\n", config.input.subjects);
 
@@ -168,7 +169,8 @@ pub async fn run(base: Config) -> Result<(), DemoError> {
             payload: message.payload,
             msg_id: String::new(),
         };
-        let json = publication_json(&publication).map_err(|e| DemoError::Nats(e.to_string()))?;
+        let json =
+            publication_json(&publication, registry.descriptor_pool()).map_err(|e| DemoError::Nats(e.to_string()))?;
         let mut body = json.clone();
         if let Some(map) = body.as_object_mut() {
             map.remove("stream");

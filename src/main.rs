@@ -36,6 +36,13 @@ enum Command {
     Config,
     /// Run the service until SIGINT or SIGTERM.
     Serve,
+    /// Print system-prompt instructions for block types declared in `.proto` files: the exact
+    /// tags, a YAML example generated from the schema, and the rules. All types when no tag is
+    /// given.
+    Prompt {
+        /// Tags such as `geppetto:citations:v1`.
+        tags: Vec<String>,
+    },
     /// Start (or use, with NATS_URL) a NATS server, run the service, publish an example
     /// conversation as an agent would, and print what a downstream handler receives.
     Demo,
@@ -56,6 +63,13 @@ fn main() -> ExitCode {
             print!("{}", config.to_masked_toml());
             Ok(())
         }
+        Command::Prompt { tags } => config
+            .load_schemas()
+            .map_err(|e| io::Error::other(e.to_string()))
+            .and_then(|registry| {
+                structured_sink::typed::render_prompt(&registry, &tags).map_err(|e| io::Error::other(e.to_string()))
+            })
+            .map(|text| print!("{text}")),
         Command::Serve => runtime().and_then(|rt| rt.block_on(serve(config))),
         Command::Demo => runtime().and_then(|rt| {
             rt.block_on(structured_sink::demo::run(config)).map_err(|e| io::Error::other(e.to_string()))

@@ -12,6 +12,7 @@ pub mod unescape;
 
 use serde::{Deserialize, Serialize};
 
+use crate::payload::{PayloadFormat, Snapshotter};
 use crate::scanner::{CloseRule, ScanSink, TagId, TagScanner, TagSet, TagSetError};
 use unescape::Unescaper;
 
@@ -60,6 +61,17 @@ pub struct TagSpec {
     pub kind: TagKind,
     /// The capture limit for this tag; `None` uses [`PipelineLimits::max_capture_bytes`].
     pub max_capture_bytes: Option<usize>,
+    /// How a block's payload is decoded into a value (blocks only).
+    pub payload: PayloadFormat,
+    /// Whether a block publishes live snapshots of its value while it streams (blocks only).
+    pub snapshots: bool,
+}
+
+impl TagSpec {
+    /// A tag with the default payload handling (YAML, with snapshots).
+    pub fn new(name: impl Into<String>, kind: TagKind) -> Self {
+        TagSpec { name: name.into(), kind, max_capture_bytes: None, payload: PayloadFormat::Yaml, snapshots: true }
+    }
 }
 
 /// Why a tag specification was refused.
@@ -151,6 +163,8 @@ pub struct PipelineStats {
     pub unclosed_captures: u64,
     /// Streams whose visible text outgrew `max_text_bytes`.
     pub text_overflows: u64,
+    /// Blocks whose payload could not be decoded (YAML or JSON errors).
+    pub invalid_payloads: u64,
 }
 
 /// A captured region's number within its stream (from 1) and its tag.
@@ -206,13 +220,22 @@ pub enum OutputKind<'a> {
         /// The new payload bytes.
         raw: &'a str,
     },
+    /// The best value parsed so far while a block streams; only when it changed.
+    BlockSnapshot {
+        /// The block.
+        item: Item,
+        /// The value.
+        value: &'a serde_json::Value,
+    },
     /// A block ended. Every started block completes exactly once.
     BlockCompleted {
         /// The block.
         item: Item,
         /// The whole raw payload as captured (at most the capture limit).
         raw: &'a str,
-        /// Why it failed, when it did.
+        /// The decoded payload, when the block closed and its payload decoded.
+        value: Option<&'a serde_json::Value>,
+        /// Why it failed, when it did (missing close tag, capture limit, payload error).
         error: Option<&'a str>,
     },
     /// A thinking section began.
@@ -282,6 +305,8 @@ struct Capture {
     payload: String,
     /// The capture hit its limit and has already completed with a failure.
     overflowed: bool,
+    /// Live snapshots of a block's value, when enabled for its tag.
+    snapshots: Option<Snapshotter>,
 }
 
 /// One stream's progress.
@@ -596,7 +621,20 @@ impl<'a, S: Emit> Driver<'a, S> {
             Some(Capture { kind: TagKind::ToolCall, .. }) => unreachable!("tool-call payload is not streamed"),
         };
         self.sink.emit(Output { seq, kind });
+        self.snapshot();
         self.pending.clear();
+    }
+
+    /// Feeds the block delta just emitted (still in `pending`) to the block's snapshotter and
+    /// emits a snapshot when the value changed.
+    fn snapshot(&mut self) {
+        let Some(capture) = self.progress.capture.as_deref_mut() else { return };
+        let Some(snapshots) = capture.snapshots.as_mut() else { return };
+        if let Some(value) = snapshots.push(self.pending) {
+            let item = capture.item;
+            self.progress.seq += 1;
+            self.sink.emit(Output { seq: self.progress.seq, kind: OutputKind::BlockSnapshot { item, value: &value } });
+        }
     }
 
     /// Emits the final text output: the coalesced tail, and the whole visible text.
@@ -639,7 +677,22 @@ impl<'a, S: Emit> Driver<'a, S> {
         }
         let item = capture.item;
         match capture.kind {
-            TagKind::Block => self.output(OutputKind::BlockCompleted { item, raw: &capture.payload, error: failure }),
+            TagKind::Block => {
+                let format = self.registered[usize::from(item.tag.0)].spec.payload;
+                let decoded = match failure {
+                    Some(_) => None,
+                    None => Some(crate::payload::decode(format, &capture.payload).map_err(|e| e.to_string())),
+                };
+                let (value, error) = match (&decoded, failure) {
+                    (Some(Ok(value)), _) => (Some(value), None),
+                    (Some(Err(error)), _) => {
+                        self.stats.invalid_payloads += 1;
+                        (None, Some(error.as_str()))
+                    }
+                    (None, failure) => (None, failure),
+                };
+                self.output(OutputKind::BlockCompleted { item, raw: &capture.payload, value, error });
+            }
             TagKind::Channel => self.output(OutputKind::ThinkingEnded { item, closed: failure.is_none() }),
             TagKind::ToolCall => {
                 let call = match failure {
@@ -663,8 +716,11 @@ impl<S: Emit> ScanSink for Driver<'_, S> {
         self.flush();
         self.progress.items += 1;
         let item = Item { tag, number: self.progress.items };
-        let kind = self.registered[usize::from(tag.0)].spec.kind;
-        self.progress.capture = Some(Box::new(Capture { item, kind, payload: String::new(), overflowed: false }));
+        let spec = &self.registered[usize::from(tag.0)].spec;
+        let kind = spec.kind;
+        let snapshots = (kind == TagKind::Block && spec.snapshots).then(|| Snapshotter::new(spec.payload));
+        self.progress.capture =
+            Some(Box::new(Capture { item, kind, payload: String::new(), overflowed: false, snapshots }));
         match kind {
             TagKind::Block => self.output(OutputKind::BlockStarted { item }),
             TagKind::Channel => self.output(OutputKind::ThinkingStarted { item }),
@@ -712,6 +768,7 @@ impl<S: Emit> ScanSink for Driver<'_, S> {
             kind: self.registered[usize::from(tag.0)].spec.kind,
             payload: String::new(),
             overflowed: true,
+            snapshots: None,
         }));
     }
 

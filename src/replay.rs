@@ -16,14 +16,14 @@
 use std::io::{self, BufRead, Write};
 use std::time::{Duration, Instant};
 
-use prost_reflect::{DynamicMessage, SerializeOptions};
+use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 
 use crate::codec::inbound::decode;
-use crate::codec::outbound::{OutputEncoder, Publication, GEPPETTO_EVENT_TYPE};
-use crate::codec::proto::descriptor_pool;
+use crate::codec::outbound::{Publication, GEPPETTO_EVENT_TYPE};
 use crate::config::Config;
-use crate::pipeline::Pipeline;
 use crate::shard::table::{Disposition, StreamTable, TableLimits};
+#[cfg(doc)]
+use crate::typed::SchemaRegistry;
 
 /// What a replay saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -43,9 +43,9 @@ pub fn replay(
     mut out: impl Write,
     mut err: impl Write,
 ) -> io::Result<ReplaySummary> {
-    let pipeline = Pipeline::new(config.tag_specs(), config.pipeline_limits())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
-    let encoder = OutputEncoder::with_text_encoding(&pipeline, &config.output.subjects, config.text_encoding());
+    let registry = config.load_schemas().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+    let (pipeline, encoder) =
+        config.processing(&registry).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
     let limits = TableLimits {
         // Offline there is no idle time; the stream bound still applies, as in one shard.
         idle_timeout: Duration::MAX,
@@ -91,21 +91,21 @@ pub fn replay(
         }
         for p in published.drain(..) {
             summary.published += 1;
-            write_publication(&mut out, &p)?;
+            write_publication(&mut out, &p, registry.descriptor_pool())?;
         }
     }
     table.close_all("shutdown", &mut |p| published.push(p));
     for p in published {
         summary.published += 1;
-        write_publication(&mut out, &p)?;
+        write_publication(&mut out, &p, registry.descriptor_pool())?;
     }
     out.flush()?;
     Ok(summary)
 }
 
 /// Writes one publication as a JSON line.
-pub fn write_publication(out: &mut impl Write, p: &Publication) -> io::Result<()> {
-    let message = publication_json(p)?;
+pub fn write_publication(out: &mut impl Write, p: &Publication, pool: &DescriptorPool) -> io::Result<()> {
+    let message = publication_json(p, pool)?;
     // Written field by field so that the keys keep this order.
     writeln!(
         out,
@@ -115,13 +115,14 @@ pub fn write_publication(out: &mut impl Write, p: &Publication) -> io::Result<()
     )
 }
 
-/// The proto3 JSON form (proto field names) of a publication's message.
-pub fn publication_json(p: &Publication) -> io::Result<serde_json::Value> {
+/// The proto3 JSON form (proto field names) of a publication's message. `pool` must know the
+/// message type and any type inside its `Any` fields ([`SchemaRegistry::descriptor_pool`]).
+pub fn publication_json(p: &Publication, pool: &DescriptorPool) -> io::Result<serde_json::Value> {
     let invalid = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
     if p.type_name == GEPPETTO_EVENT_TYPE {
         return serde_json::from_slice(&p.payload).map_err(|e| invalid(e.to_string()));
     }
-    let descriptor = descriptor_pool()
+    let descriptor = pool
         .get_message_by_name(p.type_name)
         .ok_or_else(|| invalid(format!("unknown message type {}", p.type_name)))?;
     let message = DynamicMessage::decode(descriptor, p.payload.clone()).map_err(|e| invalid(e.to_string()))?;

@@ -22,13 +22,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bus::{self, BusError, ConnectionEvent};
 use crate::codec::inbound::decode;
-use crate::codec::outbound::{OutputEncoder, Publication};
+use crate::codec::outbound::Publication;
 use crate::config::Config;
 use crate::http::{self, Readiness};
 use crate::metrics::{CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind};
-use crate::pipeline::{Pipeline, PipelineStats};
+use crate::pipeline::PipelineStats;
 use crate::shard::table::{StreamTable, TableLimits, TableStats};
 use crate::shard::worker::{ShardEvent, ShardSet, ShardSettings, ShardSink};
+use crate::typed::SchemaRegistry;
 
 /// Header naming the protobuf message type of an output.
 pub const TYPE_HEADER: &str = "Structured-Sink-Type";
@@ -119,9 +120,8 @@ impl RunningService {
             "connected to NATS"
         );
 
-        let pipeline = Pipeline::new(config.tag_specs(), config.pipeline_limits())
-            .map_err(|e| crate::config::ConfigError::Invalid { key: "tags".into(), reason: e.to_string() })?;
-        let encoder = OutputEncoder::with_text_encoding(&pipeline, &config.output.subjects, config.text_encoding());
+        let registry = config.load_schemas()?;
+        let (pipeline, encoder) = config.processing(&registry)?;
         let limits = TableLimits {
             idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
             max_streams: (config.shards.max_streams / config.shard_count()).max(1),
@@ -166,7 +166,7 @@ impl RunningService {
         readiness.set_subscribed(true);
         tracing::info!(subjects = ?config.input.subjects, shards = config.shard_count(), "subscribed");
 
-        let (api, status) = register(&client, &metrics).await?;
+        let (api, status) = register(&client, &metrics, registry).await?;
 
         let http_stop = CancellationToken::new();
         let http = if config.http.enabled {
@@ -437,11 +437,20 @@ fn output_kind(type_name: &str) -> OutputKind {
     }
 }
 
-/// Registers this replica with the NATS service API (`$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`)
-/// and answers `structured-sink.status` requests with the counters.
+/// The tags asked for in a `structured-sink.prompt` request: a JSON array of strings, or tags
+/// separated by white space; none means all.
+fn requested_tags(payload: &[u8]) -> Vec<String> {
+    serde_json::from_slice::<Vec<String>>(payload)
+        .unwrap_or_else(|_| String::from_utf8_lossy(payload).split_whitespace().map(str::to_owned).collect())
+}
+
+/// Registers this replica with the NATS service API (`$SRV.PING`, `$SRV.INFO`, `$SRV.STATS`),
+/// answers `structured-sink.status` with the counters and `structured-sink.prompt` with the
+/// prompt instructions of the requested block types.
 async fn register(
     client: &async_nats::Client,
     metrics: &Arc<Metrics>,
+    registry: SchemaRegistry,
 ) -> Result<(async_nats::service::Service, JoinHandle<()>), ServiceError> {
     use async_nats::service::ServiceExt;
     let stats_metrics = metrics.clone();
@@ -452,14 +461,22 @@ async fn register(
         .start("structured-sink", env!("CARGO_PKG_VERSION"))
         .await
         .map_err(|e| ServiceError::Register(e.to_string()))?;
-    let mut endpoint =
-        service.group("structured-sink").endpoint("status").await.map_err(|e| ServiceError::Register(e.to_string()))?;
+    let group = service.group("structured-sink");
+    let status = group.endpoint("status").await.map_err(|e| ServiceError::Register(e.to_string()))?;
+    let prompt = group.endpoint("prompt").await.map_err(|e| ServiceError::Register(e.to_string()))?;
     let metrics = metrics.clone();
     let task = tokio::spawn(async move {
-        while let Some(request) = endpoint.next().await {
-            let body = serde_json::to_vec(&metrics.snapshot()).unwrap_or_default();
-            if let Err(e) = request.respond(Ok(body.into())).await {
-                tracing::warn!(error = %e, "status reply failed");
+        let mut requests = futures::stream::select(status.map(|r| (true, r)), prompt.map(|r| (false, r)));
+        while let Some((is_status, request)) = requests.next().await {
+            let reply = if is_status {
+                Ok(serde_json::to_vec(&metrics.snapshot()).unwrap_or_default().into())
+            } else {
+                crate::typed::render_prompt(&registry, &requested_tags(&request.message.payload))
+                    .map(Into::into)
+                    .map_err(|e| async_nats::service::error::Error { status: e.to_string(), code: 404 })
+            };
+            if let Err(e) = request.respond(reply).await {
+                tracing::warn!(error = %e, "service API reply failed");
             }
         }
     });

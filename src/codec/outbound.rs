@@ -16,6 +16,7 @@ use super::inbound::StreamIdentity;
 use super::proto;
 use super::subject::escape_token;
 use crate::pipeline::{Item, Output, OutputKind, Pipeline, TagKind};
+use crate::typed::{BlockType, SchemaRegistry};
 
 /// The subjects the service publishes to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -150,6 +151,8 @@ struct TagOut {
     subject: Arc<str>,
     tag_ref: Option<proto::TagRef>,
     name: String,
+    /// The message type declared for the block in a `.proto` file, when one is.
+    typed: Option<BlockType>,
 }
 
 /// Encodes outputs of any stream of one pipeline.
@@ -194,6 +197,7 @@ impl OutputEncoder {
                         version: tr.version.clone(),
                     }),
                     name: t.spec.name.clone(),
+                    typed: None,
                 }
             })
             .collect();
@@ -204,6 +208,23 @@ impl OutputEncoder {
             tools: subjects.tools.as_str().into(),
             tags,
         }
+    }
+
+    /// Types the blocks declared in `registry` (their completed and snapshot events carry the
+    /// typed message as `Any`) and applies the subjects their declarations set.
+    pub fn with_schemas(mut self, pipeline: &Pipeline, registry: &SchemaRegistry) -> Self {
+        for (out, tag) in self.tags.iter_mut().zip(pipeline.tags()) {
+            if tag.spec.kind != TagKind::Block {
+                continue;
+            }
+            if let Some(block) = registry.block_type(&tag.spec.name) {
+                if let Some(subject) = block.subject() {
+                    out.subject = subject.into();
+                }
+                out.typed = Some(block.clone());
+            }
+        }
+        self
     }
 
     /// The subject of block events of `tag` (by index), for documentation and tests.
@@ -248,18 +269,30 @@ impl OutputEncoder {
                 *item,
                 proto::block_event::Event::Delta(proto::BlockDelta { raw: (*raw).to_owned() }),
             ),
-            OutputKind::BlockCompleted { item, raw, error } => self.block(
-                header,
-                seq,
-                *item,
-                proto::block_event::Event::Completed(proto::BlockCompleted {
+            OutputKind::BlockSnapshot { item, value } => {
+                let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
+                let typed = typed.and_then(|t| t.convert_partial(value).map(|m| t.to_any(&m)));
+                let snapshot = proto::BlockSnapshot { value: Some(json_to_value(value)), typed };
+                self.block(header, seq, *item, proto::block_event::Event::Snapshot(snapshot))
+            }
+            OutputKind::BlockCompleted { item, raw, value, error } => {
+                let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
+                let (typed, error) = match (value, typed, error) {
+                    (Some(value), Some(t), None) => match t.convert(value) {
+                        Ok(message) => (Some(t.to_any(&message)), None),
+                        Err(e) => (None, Some(format!("payload does not fit {}: {e}", t.descriptor().full_name()))),
+                    },
+                    (_, _, error) => (None, error.map(str::to_owned)),
+                };
+                let completed = proto::BlockCompleted {
                     raw: (*raw).to_owned(),
                     success: error.is_none(),
-                    error: error.unwrap_or_default().to_owned(),
-                    typed: None,
-                    value: None,
-                }),
-            ),
+                    error: error.unwrap_or_default(),
+                    typed,
+                    value: value.map(json_to_value),
+                };
+                self.block(header, seq, *item, proto::block_event::Event::Completed(completed))
+            }
             OutputKind::ThinkingStarted { item } => {
                 self.thinking(header, seq, *item, proto::thinking_text::Event::Started(proto::ThinkingStarted {}))
             }
@@ -420,9 +453,9 @@ mod tests {
 
     fn setup() -> (Pipeline, OutputEncoder, StreamHeader) {
         let tags = vec![
-            TagSpec { name: "app:Mode.Switch:v1.2".into(), kind: TagKind::Block, max_capture_bytes: None },
-            TagSpec { name: "thinking".into(), kind: TagKind::Channel, max_capture_bytes: None },
-            TagSpec { name: "tool".into(), kind: TagKind::ToolCall, max_capture_bytes: None },
+            TagSpec::new("app:Mode.Switch:v1.2", TagKind::Block),
+            TagSpec::new("thinking", TagKind::Channel),
+            TagSpec::new("tool", TagKind::ToolCall),
         ];
         let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
         let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());

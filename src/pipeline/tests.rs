@@ -16,6 +16,7 @@ enum Rec {
     Think(u32, String),
     ThinkEnd(u32, bool),
     Tool(u32, Result<(String, String, serde_json::Value), String>),
+    Snapshot(u32, serde_json::Value),
 }
 
 #[derive(Default)]
@@ -40,7 +41,8 @@ impl Emit for Sink {
                 assert!(!raw.is_empty(), "empty block delta emitted");
                 Rec::Delta(item.number, raw.to_owned())
             }
-            OutputKind::BlockCompleted { item, raw, error } => {
+            OutputKind::BlockSnapshot { item, value } => Rec::Snapshot(item.number, value.clone()),
+            OutputKind::BlockCompleted { item, raw, error, .. } => {
                 Rec::Completed(item.number, raw.to_owned(), error.map(str::to_owned))
             }
             OutputKind::ThinkingStarted { item } => Rec::ThinkStart(item.number),
@@ -57,10 +59,10 @@ impl Emit for Sink {
 
 fn specs() -> Vec<TagSpec> {
     vec![
-        TagSpec { name: "core:x:v1".into(), kind: TagKind::Block, max_capture_bytes: None },
-        TagSpec { name: "small:y:v1".into(), kind: TagKind::Block, max_capture_bytes: Some(8) },
-        TagSpec { name: "thinking".into(), kind: TagKind::Channel, max_capture_bytes: None },
-        TagSpec { name: "tool".into(), kind: TagKind::ToolCall, max_capture_bytes: None },
+        TagSpec::new("core:x:v1", TagKind::Block),
+        TagSpec { max_capture_bytes: Some(8), ..TagSpec::new("small:y:v1", TagKind::Block) },
+        TagSpec::new("thinking", TagKind::Channel),
+        TagSpec::new("tool", TagKind::ToolCall),
     ]
 }
 
@@ -400,9 +402,9 @@ fn cumulative_text_policies() {
 
 #[test]
 fn block_names_must_be_triples() {
-    let bad = vec![TagSpec { name: "core:x".into(), kind: TagKind::Block, max_capture_bytes: None }];
+    let bad = vec![TagSpec::new("core:x", TagKind::Block)];
     assert!(matches!(Pipeline::new(bad, PipelineLimits::default()), Err(TagSpecError::NotATriple(_))));
-    let bad = vec![TagSpec { name: "a:b:c".into(), kind: TagKind::Channel, max_capture_bytes: None }];
+    let bad = vec![TagSpec::new("a:b:c", TagKind::Channel)];
     assert!(matches!(Pipeline::new(bad, PipelineLimits::default()), Err(TagSpecError::ColonOutsideBlock(_))));
 }
 
@@ -423,7 +425,9 @@ fn stream_state_stays_small() {
 /// must be identical under any chunking.
 fn merge(outs: Vec<Rec>) -> Vec<Rec> {
     let mut merged: Vec<Rec> = Vec::new();
-    for o in outs {
+    // Snapshots depend on where deltas end (they are taken per delta), so they are not part of
+    // what must be chunking-invariant.
+    for o in outs.into_iter().filter(|o| !matches!(o, Rec::Snapshot(..))) {
         match (merged.last_mut(), o) {
             (Some(Rec::Text(a)), Rec::Text(b)) => a.push_str(&b),
             (Some(Rec::Delta(i, a)), Rec::Delta(j, b)) if *i == j => a.push_str(&b),

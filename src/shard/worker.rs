@@ -229,7 +229,7 @@ mod tests {
     }
 
     fn table(idle: Duration) -> StreamTable {
-        let tags = vec![TagSpec { name: "core:x:v1".into(), kind: TagKind::Block, max_capture_bytes: None }];
+        let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
         let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
         let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
         StreamTable::new(pipeline, encoder, TableLimits { idle_timeout: idle, max_streams: 100, finished_memory: 10 })

@@ -44,6 +44,9 @@ pub const AGENT_MODE_SWITCH_TAG: &str = "pinocchio:agent_mode_switch:v1";
 /// block types. The registry compiles all of them before any user file.
 pub const SOURCES: &[(&str, &str)] = &[
     (OPTIONS_FILE, include_str!("../../proto/structuredsink/v1/options.proto")),
+    // The output schema too, so that one pool resolves both our messages and the typed payloads
+    // inside their `Any` fields (proto3 JSON of `replay` needs that).
+    ("structuredsink/v1/events.proto", include_str!("../../proto/structuredsink/v1/events.proto")),
     ("geppetto/v1/citations.proto", include_str!("../../proto/geppetto/v1/citations.proto")),
     ("pinocchio/v1/agent_mode_switch.proto", include_str!("../../proto/pinocchio/v1/agent_mode_switch.proto")),
 ];

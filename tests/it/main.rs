@@ -6,3 +6,4 @@ mod harness;
 mod replay;
 mod service;
 mod support;
+mod typed;

@@ -22,10 +22,10 @@ pub fn test_config(url: &str) -> Config {
     config.shards.count = 2;
     config.service.shutdown_timeout_ms = 5_000;
     config.tags = vec![
-        TagConfig { name: "thinking".into(), kind: TagKind::Channel, max_capture_bytes: None },
-        TagConfig { name: "tool".into(), kind: TagKind::ToolCall, max_capture_bytes: None },
-        TagConfig { name: "myapp:ModeSwitch:v1".into(), kind: TagKind::Block, max_capture_bytes: None },
-        TagConfig { name: "geppetto:citations:v1".into(), kind: TagKind::Block, max_capture_bytes: None },
+        TagConfig::new("thinking", TagKind::Channel),
+        TagConfig::new("tool", TagKind::ToolCall),
+        TagConfig::new("myapp:ModeSwitch:v1", TagKind::Block),
+        TagConfig::new("geppetto:citations:v1", TagKind::Block),
     ];
     config
 }
@@ -57,7 +57,8 @@ pub fn as_json(m: &async_nats::Message) -> Value {
         payload: m.payload.clone(),
         msg_id: String::new(),
     };
-    structured_sink::replay::publication_json(&p).unwrap()
+    structured_sink::replay::publication_json(&p, structured_sink::typed::SchemaRegistry::builtin().descriptor_pool())
+        .unwrap()
 }
 
 fn is_final(m: &async_nats::Message) -> bool {
