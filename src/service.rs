@@ -161,8 +161,9 @@ impl RunningService {
             };
             dispatchers.push(tokio::spawn(dispatcher.run()));
         }
-        // Make sure the server has the subscriptions before reporting ready.
-        client.flush().await.map_err(|e| BusError::Flush { error: e })?;
+        // Make sure the server has the subscriptions before reporting ready: a round trip, since
+        // `flush` only empties the local write buffer.
+        round_trip(&client).await;
         readiness.set_subscribed(true);
         tracing::info!(subjects = ?config.input.subjects, shards = config.shard_count(), "subscribed");
 
@@ -287,7 +288,14 @@ impl Dispatcher {
             let Some(message) = message else { return };
             self.dispatch(shards, message).await;
         }
-        // Stop input: unsubscribe, then hand on what was already delivered.
+        // Stop input. async-nats' `drain` forgets the subscription on its next poll without
+        // waiting for the server's PONG, so messages the server had already sent but the client
+        // had not yet read would be dropped. A round trip through the server first makes sure
+        // everything it queued for us before shutdown began has been read into the subscription;
+        // then unsubscribe and hand on what was delivered. (Core NATS is at-most-once: events
+        // published during the few microseconds between that round trip and the unsubscribe
+        // can still be lost; JetStream input closes that gap.)
+        round_trip(&self.sink.client).await;
         if let Err(e) = self.subscriber.drain().await {
             tracing::warn!(error = %e, "draining the subscription failed");
         }
@@ -315,6 +323,20 @@ impl Dispatcher {
             Ok(false) => {}
             Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
         }
+    }
+}
+
+/// Waits until the server has answered a request sent now: every message it queued for this
+/// connection before has then been read (the connection is read in order). `Client::flush` only
+/// empties the local write buffer, so it cannot serve here. The subject has no subscribers; the
+/// server's immediate "no responders" reply is the answer.
+async fn round_trip(client: &async_nats::Client) {
+    let fence = format!("_STRUCTURED_SINK.fence.{}", client.new_inbox().rsplit('.').next().unwrap_or("x"));
+    match tokio::time::timeout(Duration::from_secs(2), client.request(fence, Bytes::new())).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "round trip through the server failed"),
+        Err(_) => tracing::warn!("round trip through the server timed out"),
     }
 }
 

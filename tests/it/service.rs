@@ -259,7 +259,10 @@ async fn idle_streams_expire_and_shutdown_closes_the_rest() {
         )
         .await
         .unwrap();
-    client.flush().await.unwrap();
+    // A round trip through the server (its "no responders" answer): the event has been routed
+    // to the service before shutdown begins. (`flush` only empties the local write buffer.)
+    let fence = client.request("test.fence", "".into()).await;
+    assert!(fence.is_err_and(|e| e.kind() == async_nats::client::RequestErrorKind::NoResponders));
     // The event is on its way; shutdown must still process it.
     service.shutdown().await.unwrap();
     let got = collect(&mut filtered, Duration::from_secs(5), |ms| finals(ms) == 1).await;
