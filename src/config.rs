@@ -66,6 +66,10 @@ pub struct Config {
     pub tags: Vec<TagConfig>,
     /// Block types declared in `.proto` files.
     pub schemas: SchemasConfig,
+    /// Horizontal scale: which message ids this replica owns.
+    pub partitions: PartitionConfig,
+    /// Durable input through JetStream.
+    pub jetstream: JetStreamConfig,
     /// Per-stream state and its workers.
     pub shards: ShardConfig,
     /// Metrics and health endpoints.
@@ -85,6 +89,8 @@ impl Default for Config {
             pipeline: PipelineConfig::default(),
             tags: default_tags(),
             schemas: SchemasConfig::default(),
+            partitions: PartitionConfig::default(),
+            jetstream: JetStreamConfig::default(),
             shards: ShardConfig::default(),
             http: HttpConfig::default(),
             telemetry: TelemetryConfig::default(),
@@ -261,6 +267,145 @@ impl TagConfig {
     }
 }
 
+/// How message ids are spread over replicas.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionMode {
+    /// One replica (or several that each see everything): no partitioning.
+    #[default]
+    None,
+    /// Producers publish to `<subject_prefix>.<message_id>`; the NATS server maps that to
+    /// `<subject_prefix>.p.<partition>.<message_id>` (see `deploy/nats.conf`) and each replica
+    /// subscribes only to its partitions. `input.subjects` is not used.
+    Subject,
+    /// Producers publish on unkeyed `input.subjects`; every replica receives everything and keeps
+    /// the message ids whose partition it owns (the same hash as the server: FNV-1a 32-bit of the
+    /// id, modulo `count`). Costs every replica the decoding of every event.
+    Filter,
+}
+
+/// Which partitions of the message-id space this replica owns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PartitionConfig {
+    /// `none`, `subject` or `filter`.
+    pub mode: PartitionMode,
+    /// The number of partitions P. Must match the server's `partition(P, 1)` mapping in subject
+    /// mode. Changing it moves message ids between partitions: drain first.
+    pub count: u32,
+    /// Owned partitions as numbers or inclusive ranges, such as `["0-15", "32"]`. Empty: decided by
+    /// `replica_index`/`replica_count`, or all partitions when `replica_count` is 0.
+    pub owned: Vec<String>,
+    /// With `replica_count` > 0: this replica owns every partition p with
+    /// `p % replica_count == replica_index` (a StatefulSet ordinal fits here).
+    pub replica_index: u32,
+    /// The number of replicas sharing the partitions by `replica_index`; 0 turns this off.
+    pub replica_count: u32,
+    /// Subject mode: the prefix producers publish under (`<prefix>.<message_id>`).
+    pub subject_prefix: String,
+    /// Subject mode: at start-up, publish a probe through the server's mapping and stop with an
+    /// error if it does not arrive on the partition subject the hash predicts.
+    pub verify_mapping: bool,
+}
+
+impl Default for PartitionConfig {
+    fn default() -> Self {
+        PartitionConfig {
+            mode: PartitionMode::None,
+            count: 64,
+            owned: Vec::new(),
+            replica_index: 0,
+            replica_count: 0,
+            subject_prefix: "chat.raw".into(),
+            verify_mapping: true,
+        }
+    }
+}
+
+impl PartitionConfig {
+    /// The partitions this replica owns, sorted; validated ranges.
+    pub fn owned_partitions(&self) -> Result<Vec<u32>, ConfigError> {
+        if self.count == 0 {
+            return Err(ConfigError::invalid("partitions.count", "must be greater than 0"));
+        }
+        if !self.owned.is_empty() {
+            let mut owned = Vec::new();
+            for item in &self.owned {
+                let bad = || {
+                    ConfigError::invalid("partitions.owned", format!("{item:?} is not N or N-M below {}", self.count))
+                };
+                let (lo, hi) = match item.split_once('-') {
+                    Some((lo, hi)) => {
+                        (lo.trim().parse::<u32>().map_err(|_| bad())?, hi.trim().parse::<u32>().map_err(|_| bad())?)
+                    }
+                    None => {
+                        let n = item.trim().parse::<u32>().map_err(|_| bad())?;
+                        (n, n)
+                    }
+                };
+                if lo > hi || hi >= self.count {
+                    return Err(bad());
+                }
+                owned.extend(lo..=hi);
+            }
+            owned.sort_unstable();
+            owned.dedup();
+            return Ok(owned);
+        }
+        if self.replica_count > 0 {
+            if self.replica_index >= self.replica_count {
+                return Err(ConfigError::invalid(
+                    "partitions.replica_index",
+                    format!("{} is not below replica_count {}", self.replica_index, self.replica_count),
+                ));
+            }
+            return Ok((0..self.count).filter(|p| p % self.replica_count == self.replica_index).collect());
+        }
+        Ok((0..self.count).collect())
+    }
+}
+
+/// Durable input through JetStream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JetStreamConfig {
+    /// Consume input from a JetStream stream with one durable pull consumer per owned partition
+    /// and explicit acks, instead of plain subscriptions.
+    pub enabled: bool,
+    /// The stream over the input subjects.
+    pub stream: String,
+    /// Create the stream when it is missing; otherwise it must exist.
+    pub create_stream: bool,
+    /// Replicas of a created stream (3 on a three-node cluster).
+    pub stream_replicas: usize,
+    /// Durable consumer names are `<consumer_prefix>-p<partition>` (or `<consumer_prefix>` without
+    /// partitions).
+    pub consumer_prefix: String,
+    /// How long the server waits for an ack before redelivering.
+    pub ack_wait_ms: u64,
+    /// Unacknowledged messages per consumer; delivery stalls at it.
+    pub max_ack_pending: i64,
+    /// With server 2.11 or later: use a pinned-client priority group, so that a standby replica
+    /// takes a partition over automatically when the pinned one goes away. Ignored (with a warning)
+    /// on older servers, which would silently ignore the setting.
+    pub pinned_client: bool,
+}
+
+impl Default for JetStreamConfig {
+    fn default() -> Self {
+        JetStreamConfig {
+            enabled: false,
+            stream: "CHAT_RAW".into(),
+            create_stream: true,
+            stream_replicas: 1,
+            consumer_prefix: "structured-sink".into(),
+            ack_wait_ms: 30_000,
+            max_ack_pending: 10_000,
+            pinned_client: false,
+        }
+    }
+}
+
 /// Per-stream state and the workers that own it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -425,6 +570,14 @@ impl Config {
                     format!("{input:?} would receive the service's own output {out:?} (a feedback loop)"),
                 ));
             }
+        }
+        self.partitions.owned_partitions()?;
+        if self.partitions.mode == PartitionMode::Subject && !is_valid_publish_subject(&self.partitions.subject_prefix)
+        {
+            return Err(ConfigError::invalid("partitions.subject_prefix", "not a valid subject prefix"));
+        }
+        if self.jetstream.enabled && self.jetstream.stream.is_empty() {
+            return Err(ConfigError::invalid("jetstream.stream", "must not be empty"));
         }
         if self.pipeline.max_capture_bytes == 0 {
             return Err(ConfigError::invalid("pipeline.max_capture_bytes", "must be greater than 0"));
@@ -594,6 +747,24 @@ mod tests {
             assert!(err.contains("tags") && err.contains("a:b"), "{err}");
             Ok(())
         });
+    }
+
+    #[test]
+    fn partitions_are_owned_by_ranges_or_by_replica_index() {
+        let p = |owned: &[&str], index, count| PartitionConfig {
+            count: 8,
+            owned: owned.iter().map(|s| (*s).to_owned()).collect(),
+            replica_index: index,
+            replica_count: count,
+            ..PartitionConfig::default()
+        };
+        assert_eq!(p(&["0-2", "5", "2"], 0, 0).owned_partitions().unwrap(), vec![0, 1, 2, 5]);
+        assert_eq!(p(&[], 1, 3).owned_partitions().unwrap(), vec![1, 4, 7]);
+        assert_eq!(p(&[], 0, 0).owned_partitions().unwrap(), (0..8).collect::<Vec<_>>());
+        for bad in [p(&["8"], 0, 0), p(&["3-1"], 0, 0), p(&["x"], 0, 0), p(&[], 3, 3)] {
+            let err = bad.owned_partitions().unwrap_err().to_string();
+            assert!(err.contains("partitions."), "{err}");
+        }
     }
 
     #[test]
