@@ -128,6 +128,8 @@ label_enum! {
     DropReason, label = "reason" {
         /// Not a text event, and `input.pass_through_subject` is empty.
         NoPassThroughSubject => "no_pass_through_subject",
+        /// Filter mode: the message id belongs to a partition another replica owns.
+        NotOwned => "not_owned",
     }
 }
 

@@ -71,8 +71,8 @@ pub fn replay(
                 continue;
             }
         };
-        match table.apply(&event, now, &mut |p| published.push(p), &mut |_| {}) {
-            Disposition::Applied => {}
+        match table.apply(&event, None, now, &mut |p| published.push(p), &mut |_| {}) {
+            Disposition::Applied | Disposition::Duplicate => {}
             Disposition::PassThrough if !config.input.pass_through_subject.is_empty() => {
                 let message: serde_json::Value = serde_json::from_str(&line)?;
                 let record = serde_json::json!({

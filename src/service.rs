@@ -11,6 +11,9 @@
 //! close open streams with reason `shutdown`, flush the publisher, stop the service API and the
 //! HTTP server. Telemetry is shut down last by the caller.
 
+mod input;
+
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,14 +24,13 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{self, BusError, ConnectionEvent};
-use crate::codec::inbound::decode;
 use crate::codec::outbound::Publication;
 use crate::config::Config;
 use crate::http::{self, Readiness};
 use crate::metrics::{CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind};
 use crate::pipeline::PipelineStats;
 use crate::shard::table::{StreamTable, TableLimits, TableStats};
-use crate::shard::worker::{ShardEvent, ShardSet, ShardSettings, ShardSink};
+use crate::shard::worker::{ShardSet, ShardSettings, ShardSink};
 use crate::typed::SchemaRegistry;
 
 /// Header naming the protobuf message type of an output.
@@ -62,6 +64,12 @@ pub enum ServiceError {
     /// The NATS service API registration failed.
     #[error("cannot register with the NATS service API: {0}")]
     Register(String),
+    /// The partition mapping of the server is missing or different.
+    #[error("partition mapping: {0}")]
+    Mapping(String),
+    /// JetStream refused the stream or a consumer.
+    #[error("JetStream: {0}")]
+    JetStream(String),
     /// Shutdown did not finish within the timeout.
     #[error("shutdown did not finish within {0:?}")]
     ShutdownTimeout(Duration),
@@ -88,6 +96,12 @@ pub struct Envelope {
     payload: Bytes,
     headers: Option<HeaderMap>,
     received: Instant,
+    /// JetStream: where the ack goes.
+    ack: Option<Subject>,
+    /// JetStream: the stream sequence of the message.
+    sequence: Option<u64>,
+    /// JetStream: delivered before (a redelivery).
+    redelivered: bool,
 }
 
 impl RunningService {
@@ -131,6 +145,7 @@ impl RunningService {
             count: config.shard_count(),
             inbox_capacity: config.shards.inbox_capacity,
             expiry_tick: Duration::from_millis(config.shards.expiry_tick_ms),
+            close_on_shutdown: !config.jetstream.enabled,
         };
         let sink_template = NatsSink {
             client: client.clone(),
@@ -139,25 +154,29 @@ impl RunningService {
                 .then(|| Subject::from(config.input.pass_through_subject.as_str())),
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
+            held: HashMap::new(),
         };
         let shards = ShardSet::start(settings, |_| {
             (StreamTable::new(pipeline.clone(), encoder.clone(), limits), sink_template.clone())
         });
         let shards = Arc::new(shards);
 
+        let ownership = Arc::new(input::Ownership::new(&config)?);
+        if config.partitions.mode == crate::config::PartitionMode::Subject && config.partitions.verify_mapping {
+            input::verify_mapping(&client, &ownership).await?;
+        }
         let cancel = CancellationToken::new();
         let mut dispatchers = Vec::new();
-        for subject in &config.input.subjects {
-            let subscriber = client
-                .subscribe(subject.clone())
-                .await
-                .map_err(|e| BusError::Subscribe { subject: subject.clone(), error: e })?;
-            let dispatcher = Dispatcher {
-                subscriber,
+        let sources = input::open_sources(&client, &config, &ownership).await?;
+        let subjects: Vec<String> = sources.iter().map(|(subject, _)| subject.clone()).collect();
+        for (_, source) in sources {
+            let dispatcher = input::Dispatcher {
+                source,
                 shards: shards.clone(),
                 sink: sink_template.clone(),
                 max_event_bytes: config.input.max_event_bytes,
                 cancel: cancel.clone(),
+                ownership: ownership.clone(),
             };
             dispatchers.push(tokio::spawn(dispatcher.run()));
         }
@@ -165,7 +184,13 @@ impl RunningService {
         // `flush` only empties the local write buffer.
         round_trip(&client).await;
         readiness.set_subscribed(true);
-        tracing::info!(subjects = ?config.input.subjects, shards = config.shard_count(), "subscribed");
+        tracing::info!(
+            subjects = subjects.len(),
+            partitions = ownership.partitions().len(),
+            jetstream = config.jetstream.enabled,
+            shards = config.shard_count(),
+            "subscribed"
+        );
 
         let (api, status) = register(&client, &metrics, registry).await?;
 
@@ -266,66 +291,6 @@ impl RunningService {
     }
 }
 
-/// Takes messages from one subscription, dead-letters bad ones, routes the rest.
-struct Dispatcher {
-    subscriber: async_nats::Subscriber,
-    shards: Arc<ShardSet<Envelope>>,
-    sink: NatsSink,
-    max_event_bytes: usize,
-    cancel: CancellationToken,
-}
-
-impl Dispatcher {
-    async fn run(mut self) {
-        let shards = self.shards.clone();
-        let shards = shards.as_ref();
-        loop {
-            let message = tokio::select! {
-                biased;
-                _ = self.cancel.cancelled() => break,
-                message = self.subscriber.next() => message,
-            };
-            let Some(message) = message else { return };
-            self.dispatch(shards, message).await;
-        }
-        // Stop input. async-nats' `drain` forgets the subscription on its next poll without
-        // waiting for the server's PONG, so messages the server had already sent but the client
-        // had not yet read would be dropped. A round trip through the server first makes sure
-        // everything it queued for us before shutdown began has been read into the subscription;
-        // then unsubscribe and hand on what was delivered. (Core NATS is at-most-once: events
-        // published during the few microseconds between that round trip and the unsubscribe
-        // can still be lost; JetStream input closes that gap.)
-        round_trip(&self.sink.client).await;
-        if let Err(e) = self.subscriber.drain().await {
-            tracing::warn!(error = %e, "draining the subscription failed");
-        }
-        while let Some(message) = self.subscriber.next().await {
-            self.dispatch(shards, message).await;
-        }
-    }
-
-    async fn dispatch(&mut self, shards: &ShardSet<Envelope>, message: async_nats::Message) {
-        let received = Instant::now();
-        self.sink.metrics.count_received();
-        let envelope =
-            Envelope { subject: message.subject, payload: message.payload, headers: message.headers, received };
-        let event = match decode(&envelope.payload, self.max_event_bytes) {
-            Ok(event) => event.into_owned(),
-            Err(e) => {
-                tracing::warn!(reason = e.code(), error = %e, subject = %envelope.subject, "dead-lettering an event");
-                let detail = e.to_string();
-                self.sink.dead_letter_with_detail(envelope, e.code(), &detail).await;
-                return;
-            }
-        };
-        match shards.route(ShardEvent { event, envelope }).await {
-            Ok(true) => self.sink.metrics.count_shard_inbox_full(),
-            Ok(false) => {}
-            Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
-        }
-    }
-}
-
 /// Waits until the server has answered a request sent now: every message it queued for this
 /// connection before has then been read (the connection is read in order). `Client::flush` only
 /// empties the local write buffer, so it cannot serve here. The subject has no subscribers; the
@@ -347,7 +312,10 @@ struct Reported {
     pipeline: PipelineStats,
 }
 
-/// Publishes a worker's outputs to NATS.
+/// Publishes a worker's outputs to NATS, and acknowledges JetStream input: immediately for
+/// events that leave the pipeline (dead letters, pass-through, drops), and only once their
+/// stream has ended for text events, so that a stream interrupted by a crash is delivered again
+/// from its first event to the next owner.
 #[derive(Clone)]
 pub struct NatsSink {
     client: async_nats::Client,
@@ -355,6 +323,9 @@ pub struct NatsSink {
     pass_through: Option<Subject>,
     dead_letter: Subject,
     reported: Reported,
+    /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
+    /// delivery).
+    held: HashMap<Box<str>, Vec<(u64, Subject)>>,
 }
 
 impl NatsSink {
@@ -368,7 +339,21 @@ impl NatsSink {
         }
     }
 
+    /// Acknowledges a JetStream input message (nothing for core NATS input).
+    async fn ack(&self, envelope: &Envelope) {
+        if let Some(reply) = &envelope.ack {
+            self.send_ack(reply.clone()).await;
+        }
+    }
+
+    async fn send_ack(&self, reply: Subject) {
+        if let Err(e) = self.client.publish(reply, Bytes::from_static(b"+ACK")).await {
+            tracing::error!(error = %e, "ack failed");
+        }
+    }
+
     async fn dead_letter_with_detail(&mut self, envelope: Envelope, reason: &'static str, detail: &str) {
+        self.ack(&envelope).await;
         if let Some(reason) = DeadLetterReason::from_label(reason) {
             self.metrics.count_dead_letter(reason);
         }
@@ -401,6 +386,7 @@ impl ShardSink<Envelope> for NatsSink {
     }
 
     async fn pass_through(&mut self, envelope: Envelope) {
+        self.ack(&envelope).await;
         match &self.pass_through {
             Some(subject) => {
                 self.metrics.count_passed_through();
@@ -413,11 +399,40 @@ impl ShardSink<Envelope> for NatsSink {
     }
 
     async fn dead_letter(&mut self, envelope: Envelope, reason: &'static str) {
+        if reason == "stream_finished" && envelope.redelivered {
+            // A JetStream redelivery of an event whose stream already ended here: not late, just
+            // delivered twice.
+            self.ack(&envelope).await;
+            return;
+        }
         let detail = match reason {
             "stream_finished" => "event for a stream that already finished",
             other => other,
         };
         self.dead_letter_with_detail(envelope, reason, detail).await;
+    }
+
+    fn sequence(&self, envelope: &Envelope) -> Option<u64> {
+        envelope.sequence
+    }
+
+    async fn applied(&mut self, stream_id: &str, envelope: Envelope) {
+        let (Some(reply), Some(sequence)) = (envelope.ack, envelope.sequence) else { return };
+        let held = self.held.entry(stream_id.into()).or_default();
+        // A redelivery of a held message replaces the reply subject: acks go to the latest
+        // delivery.
+        match held.iter_mut().find(|(s, _)| *s == sequence) {
+            Some(entry) => entry.1 = reply,
+            None => held.push((sequence, reply)),
+        }
+    }
+
+    async fn stream_closed(&mut self, stream_id: &str) {
+        // The stream's outputs were published before this (same connection, in order), so the
+        // server has them before it sees these acks.
+        for (_, reply) in self.held.remove(stream_id).unwrap_or_default() {
+            self.send_ack(reply).await;
+        }
     }
 
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Envelope) {

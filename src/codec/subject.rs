@@ -54,6 +54,18 @@ pub fn unescape_token(token: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// The partition of a subject token among `count`, as the NATS server computes it for a
+/// `{{partition(count, i)}}` mapping: FNV-1a 32-bit of the token, modulo `count`. Message ids are
+/// escaped with [`escape_token`] first, so both partition modes agree on every id.
+pub fn partition_of(token: &str, count: u32) -> u32 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for b in token.bytes() {
+        hash ^= u32::from(b);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    hash % count.max(1)
+}
+
 /// Whether `subject` is a valid subject to publish to: non-empty tokens, no wildcards, no
 /// whitespace.
 pub fn is_valid_publish_subject(subject: &str) -> bool {
@@ -112,6 +124,15 @@ mod tests {
         }
         assert_eq!(escape_token("v1.2"), "v1%2E2");
         assert_ne!(escape_token("a.b"), escape_token("a%2Eb"));
+    }
+
+    #[test]
+    fn partition_matches_fnv1a_32() {
+        // Reference values of FNV-1a 32-bit.
+        assert_eq!(partition_of("", u32::MAX), 0x811c_9dc5 % u32::MAX);
+        assert_eq!(partition_of("a", u32::MAX), 0xe40c_292c);
+        assert_eq!(partition_of("foobar", u32::MAX), 0xbf9c_f968);
+        assert!(partition_of("3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071", 64) < 64);
     }
 
     #[test]

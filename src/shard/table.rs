@@ -36,6 +36,9 @@ pub enum Disposition {
     PassThrough,
     /// A text event for a stream that already finished: nothing was emitted.
     Late,
+    /// An input the stream already applied (a redelivery: its input sequence is not above the
+    /// last one applied): nothing was emitted.
+    Duplicate,
 }
 
 /// Counters of a table since creation.
@@ -61,6 +64,8 @@ struct OpenStream {
     last_seen: Instant,
     /// One span per stream lifecycle (never per delta); it ends when the stream closes.
     span: tracing::Span,
+    /// The input sequence (JetStream stream sequence) of the last event applied; 0 if none.
+    last_input: u64,
 }
 
 /// One shard's streams.
@@ -72,6 +77,8 @@ pub struct StreamTable {
     streams: LinkedHashMap<Box<str>, OpenStream>,
     /// Recently finished stream ids, oldest first.
     finished: LinkedHashSet<Box<str>>,
+    /// Streams closed since the last [`StreamTable::take_closed`].
+    closed: Vec<Box<str>>,
     stats: TableStats,
 }
 
@@ -84,6 +91,7 @@ impl StreamTable {
             limits,
             streams: LinkedHashMap::new(),
             finished: LinkedHashSet::new(),
+            closed: Vec::new(),
             stats: TableStats::default(),
         }
     }
@@ -115,9 +123,12 @@ impl StreamTable {
 
     /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
     /// event opens a stream, `opened` sees the stream's new span first (to set its parent).
+    /// `sequence` is the event's input sequence when the input has one (JetStream): an event whose
+    /// sequence is not above the last one its stream applied is a duplicate and is skipped.
     pub fn apply(
         &mut self,
         event: &InboundEvent<'_>,
+        sequence: Option<u64>,
         now: Instant,
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
@@ -129,11 +140,15 @@ impl StreamTable {
                 self.stats.late_events += 1;
                 Disposition::Late
             }
+            _ if sequence.is_some_and(|seq| self.streams.get(stream_id).is_some_and(|s| seq <= s.last_input)) => {
+                Disposition::Duplicate
+            }
             EventAction::Delta(delta) => {
                 self.ensure_open(event, now, sink, opened);
                 let (pipeline, encoder) = (&mut self.pipeline, &self.encoder);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
                 open.last_seen = now;
+                open.last_input = sequence.unwrap_or(open.last_input);
                 let header = &open.header;
                 pipeline.feed(&mut open.state, delta, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
                 Disposition::Applied
@@ -172,6 +187,19 @@ impl StreamTable {
         }
     }
 
+    /// The streams closed (finished, expired, evicted, shut down) since the last call, in order.
+    pub fn take_closed(&mut self) -> Vec<Box<str>> {
+        std::mem::take(&mut self.closed)
+    }
+
+    /// Forgets every open stream without closing it (no outputs): the JetStream shutdown path,
+    /// where unacknowledged input will rebuild them elsewhere. Returns how many were open.
+    pub fn abandon_all(&mut self) -> usize {
+        let open = self.streams.len();
+        self.streams.clear();
+        open
+    }
+
     /// Makes sure the event's stream is open and most recently used, evicting if needed.
     fn ensure_open(
         &mut self,
@@ -201,7 +229,7 @@ impl StreamTable {
         );
         opened(&span);
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
-        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span };
+        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span, last_input: 0 };
         self.streams.insert(stream_id.into(), open);
     }
 
@@ -217,6 +245,7 @@ impl StreamTable {
         pipeline.finish(&mut open.state, final_text, reason, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
         open.span.record("stream.outputs", open.state.seq());
         open.span.record("stream.finish_reason", reason);
+        self.closed.push(id.clone());
         if self.limits.finished_memory > 0 {
             if self.finished.len() >= self.limits.finished_memory {
                 self.finished.pop_front();

@@ -31,6 +31,13 @@ pub trait ShardSink<E>: Send + 'static {
     fn pass_through(&mut self, envelope: E) -> impl Future<Output = ()> + Send;
     /// Sends an event that cannot be applied to the dead-letter subject with a reason code.
     fn dead_letter(&mut self, envelope: E, reason: &'static str) -> impl Future<Output = ()> + Send;
+    /// The event's input sequence, when its input has one (for duplicate detection).
+    fn sequence(&self, envelope: &E) -> Option<u64>;
+    /// The event was applied to `stream_id` (or was a duplicate of one applied): its outputs are
+    /// published. The sink may hold the envelope (to acknowledge it when the stream ends).
+    fn applied(&mut self, stream_id: &str, envelope: E) -> impl Future<Output = ()> + Send;
+    /// The stream ended and its last outputs are published.
+    fn stream_closed(&mut self, stream_id: &str) -> impl Future<Output = ()> + Send;
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
     fn stream_opened(&mut self, span: &tracing::Span, cause: &E);
     /// Reports counters after a change (cheap: called after each event and tick).
@@ -56,6 +63,9 @@ pub struct ShardSettings {
     pub inbox_capacity: usize,
     /// How often workers close idle streams.
     pub expiry_tick: Duration,
+    /// At shutdown, close open streams with reason `shutdown` (core NATS input). Off for
+    /// JetStream input: open streams are left unacknowledged, to be rebuilt by the next owner.
+    pub close_on_shutdown: bool,
 }
 
 /// The workers and the senders that feed them.
@@ -82,7 +92,7 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
         for shard in 0..count {
             let (tx, rx) = mpsc::channel(settings.inbox_capacity.max(1));
             let (table, sink) = make(shard);
-            workers.push(tokio::spawn(run_worker(shard, table, sink, rx, settings.expiry_tick)));
+            workers.push(tokio::spawn(run_worker(shard, table, sink, rx, settings)));
             inboxes.push(tx);
         }
         ShardSet { inboxes, workers }
@@ -154,12 +164,12 @@ async fn run_worker<E, S>(
     mut table: StreamTable,
     mut sink: S,
     mut inbox: mpsc::Receiver<ShardEvent<E>>,
-    expiry_tick: Duration,
+    settings: ShardSettings,
 ) where
     E: Send + Sync + 'static,
     S: ShardSink<E>,
 {
-    let mut tick = tokio::time::interval(expiry_tick);
+    let mut tick = tokio::time::interval(settings.expiry_tick);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut outputs = Vec::new();
     loop {
@@ -169,12 +179,14 @@ async fn run_worker<E, S>(
             next = inbox.recv() => {
                 let Some(ShardEvent { event, envelope }) = next else { break };
                 let now = tokio::time::Instant::now().into_std();
+                let sequence = sink.sequence(&envelope);
                 let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
-                match table.apply(&event, now, &mut |p| outputs.push(p), opened) {
-                    Disposition::Applied => {
+                match table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened) {
+                    Disposition::Applied | Disposition::Duplicate => {
                         for p in outputs.drain(..) {
                             sink.publish(p, Some(&envelope)).await;
                         }
+                        sink.applied(&event.stream.stream_id, envelope).await;
                     }
                     Disposition::PassThrough => sink.pass_through(envelope).await,
                     Disposition::Late => sink.dead_letter(envelope, "stream_finished").await,
@@ -188,11 +200,22 @@ async fn run_worker<E, S>(
                 }
             }
         }
+        for id in table.take_closed() {
+            sink.stream_closed(&id).await;
+        }
         sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
     }
-    table.close_all("shutdown", &mut |p| outputs.push(p));
-    for p in outputs.drain(..) {
-        sink.publish(p, None).await;
+    if settings.close_on_shutdown {
+        table.close_all("shutdown", &mut |p| outputs.push(p));
+        for p in outputs.drain(..) {
+            sink.publish(p, None).await;
+        }
+        for id in table.take_closed() {
+            sink.stream_closed(&id).await;
+        }
+    } else {
+        let open = table.abandon_all();
+        tracing::info!(shard, open, "left open streams unacknowledged for the next owner");
     }
     sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
     sink.flush().await;
@@ -222,6 +245,13 @@ mod tests {
             self.0.lock().unwrap().push(format!("dead {envelope} {reason}"));
         }
         fn stream_opened(&mut self, _: &tracing::Span, _: &u32) {}
+        fn sequence(&self, _: &u32) -> Option<u64> {
+            None
+        }
+        async fn applied(&mut self, _: &str, _: u32) {}
+        async fn stream_closed(&mut self, id: &str) {
+            self.0.lock().unwrap().push(format!("closed {id}"));
+        }
         fn report(&mut self, _: usize, _: usize, _: TableStats, _: PipelineStats) {}
         async fn flush(&mut self) {
             self.0.lock().unwrap().push("flush".into());
@@ -240,7 +270,7 @@ mod tests {
     }
 
     fn settings(count: usize) -> ShardSettings {
-        ShardSettings { count, inbox_capacity: 2, expiry_tick: Duration::from_millis(100) }
+        ShardSettings { count, inbox_capacity: 2, expiry_tick: Duration::from_millis(100), close_on_shutdown: true }
     }
 
     #[tokio::test]
