@@ -4,6 +4,7 @@
 mod cli;
 mod harness;
 mod replay;
+mod scale;
 mod service;
 mod support;
 mod typed;

@@ -1,0 +1,352 @@
+//! Horizontal scale and durability against real servers: partitions over three replicas, and
+//! JetStream input surviving a `kill -9` of the replica, a server restart and a cluster node loss.
+//! Every check compares what downstream receives with the offline `replay` of the same input.
+
+use std::collections::{BTreeMap, HashSet};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use serde_json::Value;
+use structured_sink::codec::subject::escape_token;
+use structured_sink::config::{Config, PartitionMode};
+use structured_sink::service::RunningService;
+
+use crate::service::{as_json, test_config};
+use crate::support::NatsServer;
+
+/// The server mapping of `chat.raw.<id>` to `chat.raw.p.<partition>.<id>`.
+fn mapping(partitions: u32) -> String {
+    format!("mappings = {{ \"chat.raw.*\": \"chat.raw.p.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}\" }}\n")
+}
+
+/// `streams` interleaved synthetic conversations: prose, a block, thinking; then a final each.
+fn conversation(streams: usize, deltas: usize) -> Vec<(String, String)> {
+    let mut events = Vec::new();
+    let text = |s: usize, d: usize| match d % 7 {
+        2 => format!("<myapp:ModeSwitch:v1>\nnew_mode: m{s}\n</myapp:ModeSwitch:v1>"),
+        4 => "<thinking>hm</thinking>".to_owned(),
+        _ => format!("s{s}d{d} "),
+    };
+    for d in 0..deltas {
+        for s in 0..streams {
+            let id = format!("msg-{s:04}");
+            let event = serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": text(s, d)});
+            events.push((id, event.to_string()));
+        }
+    }
+    for s in 0..streams {
+        let id = format!("msg-{s:04}");
+        let event = serde_json::json!({"type": "final", "meta": {"message_id": id}});
+        events.push((id, event.to_string()));
+    }
+    events
+}
+
+/// What `replay` publishes for `events`, per stream, in order: (subject, message JSON).
+fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Vec<(String, Value)>> {
+    let input: String = events.iter().map(|(_, e)| format!("{e}\n")).collect();
+    let mut out = Vec::new();
+    structured_sink::replay::replay(config, input.as_bytes(), &mut out, std::io::sink()).unwrap();
+    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+    for line in String::from_utf8(out).unwrap().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let stream = v["message"]["stream"]["stream_id"].as_str().unwrap().to_owned();
+        map.entry(stream).or_default().push((v["subject"].as_str().unwrap().to_owned(), v["message"].clone()));
+    }
+    map
+}
+
+fn group(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(String, Value)>> {
+    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+    for m in messages {
+        let json = as_json(m);
+        let stream = json["stream"]["stream_id"].as_str().unwrap().to_owned();
+        map.entry(stream).or_default().push((m.subject.to_string(), json));
+    }
+    map
+}
+
+fn partitioned(url: &str, count: u32, index: u32, replicas: u32) -> Config {
+    let mut config = test_config(url);
+    config.http.enabled = false;
+    config.partitions.mode = PartitionMode::Subject;
+    config.partitions.count = count;
+    config.partitions.replica_index = index;
+    config.partitions.replica_count = replicas;
+    config
+}
+
+#[tokio::test]
+async fn three_replicas_split_the_streams_and_match_replay() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let mut replicas = Vec::new();
+    for index in 0..3 {
+        replicas.push(RunningService::start(partitioned(&server.url(), 8, index, 3)).await.unwrap());
+    }
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut outputs = client.subscribe("chat.>").await.unwrap();
+    client.flush().await.unwrap();
+
+    let events = conversation(300, 8);
+    for (id, event) in &events {
+        client.publish(format!("chat.raw.{}", escape_token(id)), event.clone().into()).await.unwrap();
+    }
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let is_output = |m: &async_nats::Message| !m.subject.starts_with("chat.raw.");
+    let got = crate::service::collect(&mut outputs, Duration::from_secs(10), |ms| {
+        ms.iter().filter(|m| is_output(m)).count() >= total
+    })
+    .await;
+    let got: Vec<async_nats::Message> = got.into_iter().filter(is_output).collect();
+
+    let opened: Vec<u64> = replicas.iter().map(|r| r.metrics().snapshot().streams_opened).collect();
+    for replica in replicas {
+        replica.shutdown().await.unwrap();
+    }
+    assert_eq!(opened.iter().sum::<u64>(), 300, "each stream opened by exactly one replica: {opened:?}");
+    assert!(opened.iter().all(|&n| n > 50), "the partitions spread the load: {opened:?}");
+    let ids: Vec<String> =
+        got.iter().map(|m| m.headers.as_ref().unwrap().get("Nats-Msg-Id").unwrap().to_string()).collect();
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len(), "no output twice");
+    assert_eq!(group(&got), expected);
+}
+
+#[tokio::test]
+async fn filter_mode_agrees_with_the_server_partitions() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let mut replicas = Vec::new();
+    for index in 0..2 {
+        let mut config = partitioned(&server.url(), 8, index, 2);
+        config.partitions.mode = PartitionMode::Filter;
+        replicas.push(RunningService::start(config).await.unwrap());
+    }
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    // What the server's mapping says about each id: the partition subject it lands on.
+    let mut mapped = client.subscribe("chat.raw.p.*.*").await.unwrap();
+    client.flush().await.unwrap();
+    let events = conversation(100, 1);
+    for (id, event) in &events {
+        client.publish("chat", event.clone().into()).await.unwrap();
+        client.publish(format!("chat.raw.{}", escape_token(id)), "".into()).await.unwrap();
+    }
+    let got = crate::service::collect(&mut filtered, Duration::from_secs(10), |ms| {
+        ms.iter().filter(|m| as_json(m)["final"] == true).count() == 100
+    })
+    .await;
+    let server_partition: BTreeMap<String, u32> =
+        crate::service::collect(&mut mapped, Duration::from_secs(5), |ms| ms.len() == 200)
+            .await
+            .iter()
+            .map(|m| {
+                let tokens: Vec<&str> = m.subject.split('.').collect();
+                (tokens[4].to_owned(), tokens[3].parse().unwrap())
+            })
+            .collect();
+    let opened: Vec<u64> = replicas.iter().map(|r| r.metrics().snapshot().streams_opened).collect();
+    for replica in replicas {
+        replica.shutdown().await.unwrap();
+    }
+    assert_eq!(opened.iter().sum::<u64>(), 100, "{opened:?}");
+    // Replica 0 owns the even partitions: exactly the ids the server put in even partitions.
+    let even = server_partition.values().filter(|p| *p % 2 == 0).count() as u64;
+    assert_eq!(opened[0], even);
+    assert_eq!(got.len(), 200);
+}
+
+#[tokio::test]
+async fn start_up_stops_when_the_server_has_no_partition_mapping() {
+    let server = NatsServer::start();
+    let error = RunningService::start(partitioned(&server.url(), 8, 0, 1)).await.err().expect("no mapping");
+    assert!(error.to_string().contains("chat.raw.p.{{partition(8,1)}}"), "{error}");
+}
+
+/// The tags of [`test_config`], as a configuration file for a replica process.
+const TAGS_TOML: &str = r#"
+[[tags]]
+name = "thinking"
+kind = "channel"
+[[tags]]
+name = "tool"
+kind = "tool_call"
+[[tags]]
+name = "myapp:ModeSwitch:v1"
+kind = "block"
+[[tags]]
+name = "geppetto:citations:v1"
+kind = "block"
+"#;
+
+/// A `structured-sink serve` process in JetStream mode, owning all 8 partitions.
+fn spawn_replica(url: &str, dir: &std::path::Path) -> Child {
+    let config = dir.join("replica.toml");
+    std::fs::write(&config, TAGS_TOML).unwrap();
+    Command::new(env!("CARGO_BIN_EXE_structured-sink"))
+        .arg("--config")
+        .arg(&config)
+        .arg("serve")
+        .env_remove("STRUCTURED_SINK_CONFIG")
+        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{url}\"]"))
+        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
+        .env("STRUCTURED_SINK__PARTITIONS__MODE", "subject")
+        .env("STRUCTURED_SINK__PARTITIONS__COUNT", "8")
+        .env("STRUCTURED_SINK__JETSTREAM__ENABLED", "true")
+        .env("STRUCTURED_SINK__JETSTREAM__ACK_WAIT_MS", "60000")
+        .env("STRUCTURED_SINK__SHARDS__COUNT", "2")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// A downstream JetStream stream over every output subject, deduplicating by `Nats-Msg-Id`.
+async fn downstream(js: &jetstream::Context) -> jetstream::stream::Stream {
+    js.get_or_create_stream(jetstream::stream::Config {
+        name: "OUT".into(),
+        subjects: vec!["chat.filtered".into(), "chat.structured.>".into(), "chat.thinking".into(), "chat.tools".into()],
+        duplicate_window: Duration::from_secs(300),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits until `stream` holds `total` messages (or a deadline), then reads them all in order.
+async fn read_all(stream: &mut jetstream::stream::Stream, total: usize) -> Vec<async_nats::Message> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stream.info().await.unwrap().state.messages < total as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let consumer = stream.create_consumer(jetstream::consumer::pull::OrderedConfig::default()).await.unwrap();
+    let stored = stream.info().await.unwrap().state.messages as usize;
+    let mut messages = consumer.messages().await.unwrap();
+    let mut got = Vec::new();
+    while got.len() < stored {
+        match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
+            Ok(Some(Ok(m))) => got.push(m.message),
+            _ => break,
+        }
+    }
+    got
+}
+
+/// Publishes input durably: a JetStream publish, retried until the server acknowledges it.
+async fn publish_input(js: &jetstream::Context, id: &str, event: &str) {
+    for _ in 0..100 {
+        if let Ok(ack) = js.publish(format!("chat.raw.{}", escape_token(id)), event.to_owned().into()).await {
+            if ack.await.is_ok() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("input not stored");
+}
+
+fn jetstream_config(url: &str) -> Config {
+    let mut config = partitioned(url, 8, 0, 1);
+    config.jetstream.enabled = true;
+    config.jetstream.ack_wait_ms = 60_000;
+    config
+}
+
+#[tokio::test]
+async fn jetstream_survives_kill_9_of_the_replica() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = downstream(&js).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut replica = spawn_replica(&server.url(), dir.path());
+
+    let events = conversation(1000, 6);
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let half = events.len() / 2;
+    for (id, event) in &events[..half] {
+        publish_input(&js, id, event).await;
+    }
+    // Let it get some way through, then kill it without warning.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while out.info().await.unwrap().state.messages < (total / 4) as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    replica.kill().unwrap();
+    replica.wait().unwrap();
+    let before = out.info().await.unwrap().state.messages;
+    assert!(before > 0 && before < total as u64, "killed mid-run: {before} of {total}");
+    let mut replica = spawn_replica(&server.url(), dir.path());
+    for (id, event) in &events[half..] {
+        publish_input(&js, id, event).await;
+    }
+    let got = read_all(&mut out, total).await;
+    replica.kill().unwrap();
+    let _ = replica.wait();
+    assert_eq!(got.len(), total, "every output once after deduplication");
+    assert_eq!(group(&got), expected);
+}
+
+#[tokio::test]
+async fn jetstream_loses_nothing_when_the_server_restarts() {
+    let mut server = NatsServer::builder().config(mapping(8)).start();
+    let service = RunningService::start(jetstream_config(&server.url())).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = downstream(&js).await;
+    let events = conversation(200, 6);
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let half = events.len() / 2;
+    for (id, event) in &events[..half] {
+        publish_input(&js, id, event).await;
+    }
+    server.restart();
+    for (id, event) in &events[half..] {
+        publish_input(&js, id, event).await;
+    }
+    let got = read_all(&mut out, total).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(got.len(), total);
+    assert_eq!(group(&got), expected);
+}
+
+#[tokio::test]
+async fn a_three_node_cluster_loses_nothing_when_a_node_stops() {
+    let mut cluster = NatsServer::builder().config(mapping(8)).cluster(3);
+    let urls = cluster.urls();
+    let mut config = jetstream_config(&urls[0]);
+    config.nats.servers = urls.clone();
+    config.jetstream.stream_replicas = 3;
+    let service = RunningService::start(config).await.unwrap();
+    let options = async_nats::ConnectOptions::new().retry_on_initial_connect();
+    let client = options.connect(urls.clone()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = js
+        .get_or_create_stream(jetstream::stream::Config {
+            name: "OUT".into(),
+            subjects: vec!["chat.filtered".into(), "chat.structured.>".into(), "chat.thinking".into()],
+            duplicate_window: Duration::from_secs(300),
+            num_replicas: 3,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let events = conversation(200, 6);
+    let expected = replayed(&test_config(&urls[0]), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let half = events.len() / 2;
+    for (id, event) in &events[..half] {
+        publish_input(&js, id, event).await;
+    }
+    cluster.stop_node(1);
+    for (id, event) in &events[half..] {
+        publish_input(&js, id, event).await;
+    }
+    let got = read_all(&mut out, total).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(got.len(), total);
+    assert_eq!(group(&got), expected);
+}
