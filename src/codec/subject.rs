@@ -129,7 +129,7 @@ mod tests {
     #[test]
     fn partition_matches_fnv1a_32() {
         // Reference values of FNV-1a 32-bit.
-        assert_eq!(partition_of("", u32::MAX), 0x811c_9dc5 % u32::MAX);
+        assert_eq!(partition_of("", u32::MAX), 0x811c_9dc5);
         assert_eq!(partition_of("a", u32::MAX), 0xe40c_292c);
         assert_eq!(partition_of("foobar", u32::MAX), 0xbf9c_f968);
         assert!(partition_of("3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071", 64) < 64);
