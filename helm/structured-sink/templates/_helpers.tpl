@@ -51,9 +51,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-Where the pod finds its files. The ConfigMap holds config.toml; the Secrets are mounted whole.
+Where the pod finds its files: the ConfigMap (config.toml) and the Secrets, each mounted whole in
+its own directory (siblings, as a mount inside a ConfigMap volume cannot be created).
 */}}
-{{- define "structured-sink.configDir" -}}/etc/structured-sink{{- end }}
+{{- define "structured-sink.configDir" -}}/etc/structured-sink/config{{- end }}
 {{- define "structured-sink.credentialsDir" -}}/etc/structured-sink/nats-credentials{{- end }}
 {{- define "structured-sink.tlsDir" -}}/etc/structured-sink/nats-tls{{- end }}
 
