@@ -381,9 +381,11 @@ pub struct JetStreamConfig {
     /// Durable consumer names are `<consumer_prefix>-p<partition>` (or `<consumer_prefix>` without
     /// partitions).
     pub consumer_prefix: String,
-    /// How long the server waits for an ack before redelivering.
+    /// How long the server waits for an ack before redelivering. Input is acknowledged when its
+    /// stream ends, so this must exceed the longest stream plus `shards.idle_timeout_ms`.
     pub ack_wait_ms: u64,
-    /// Unacknowledged messages per consumer; delivery stalls at it.
+    /// Unacknowledged messages per consumer; delivery stalls at it. Must exceed the events of all
+    /// streams open at once in one partition.
     pub max_ack_pending: i64,
     /// With server 2.11 or later: use a pinned-client priority group, so that a standby replica
     /// takes a partition over automatically when the pinned one goes away. Ignored (with a warning)
@@ -399,8 +401,10 @@ impl Default for JetStreamConfig {
             create_stream: true,
             stream_replicas: 1,
             consumer_prefix: "structured-sink".into(),
-            ack_wait_ms: 30_000,
-            max_ack_pending: 10_000,
+            // Acks are held until a stream ends: longer than the longest stream plus the idle
+            // timeout. Takeovers do not wait for it (consumers restart at their ack floor).
+            ack_wait_ms: 600_000,
+            max_ack_pending: 100_000,
             pinned_client: false,
         }
     }
