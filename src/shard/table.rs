@@ -254,3 +254,96 @@ impl StreamTable {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::inbound::decode;
+    use crate::codec::outbound::OutputSubjects;
+    use crate::pipeline::{PipelineLimits, TagKind, TagSpec};
+    use std::time::Duration;
+
+    fn table(max_streams: usize) -> StreamTable {
+        let pipeline =
+            Pipeline::new(vec![TagSpec::new("core:x:v1", TagKind::Block)], PipelineLimits::default()).unwrap();
+        let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+        let limits = TableLimits { idle_timeout: Duration::from_secs(10), max_streams, finished_memory: 2 };
+        StreamTable::new(pipeline, encoder, limits)
+    }
+
+    fn delta(id: &str) -> InboundEvent<'static> {
+        let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"x"}}"#);
+        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    }
+
+    fn last_finish(outputs: &[Publication]) -> String {
+        use prost::Message;
+        let last = outputs.last().expect("an output");
+        let text = crate::codec::proto::FilteredText::decode(last.payload.clone()).unwrap();
+        format!("{} {}", last.msg_id, text.finish_reason)
+    }
+
+    #[test]
+    fn the_longest_idle_stream_is_evicted_above_the_limit() {
+        let mut t = table(2);
+        let start = Instant::now();
+        let mut out = Vec::new();
+        t.apply(&delta("a"), None, start, &mut |p| out.push(p), &mut |_| {});
+        t.apply(&delta("b"), None, start + Duration::from_secs(1), &mut |p| out.push(p), &mut |_| {});
+        // `a` is used again, so `b` is now the longest idle.
+        t.apply(&delta("a"), None, start + Duration::from_secs(2), &mut |p| out.push(p), &mut |_| {});
+        out.clear();
+        t.apply(&delta("c"), None, start + Duration::from_secs(3), &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(last_finish(&out[..1]), "b:2 evicted");
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.stats().evicted, 1);
+        assert_eq!(t.take_closed(), vec![Box::from("b")]);
+    }
+
+    #[test]
+    fn idle_streams_expire_oldest_first_with_work_proportional_to_closures() {
+        let mut t = table(10);
+        let start = Instant::now();
+        let mut out = Vec::new();
+        for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
+            t.apply(&delta(id), None, start + Duration::from_secs(i as u64), &mut |p| out.push(p), &mut |_| {});
+        }
+        out.clear();
+        assert_eq!(t.expire(start + Duration::from_secs(11), &mut |p| out.push(p)), 2);
+        assert_eq!(t.take_closed(), vec![Box::from("a"), Box::from("b")]);
+        assert_eq!(t.len(), 1);
+        assert_eq!(last_finish(&out), "b:2 expired");
+    }
+
+    #[test]
+    fn late_events_and_input_duplicates_are_reported_not_applied() {
+        let mut t = table(10);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        assert_eq!(t.apply(&delta("a"), Some(5), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        assert_eq!(t.apply(&delta("a"), Some(5), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Duplicate);
+        assert_eq!(t.apply(&delta("a"), Some(3), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Duplicate);
+        assert_eq!(t.apply(&delta("a"), Some(9), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        let fin = decode(br#"{"type":"final","meta":{"message_id":"a"}}"#, 1 << 20).unwrap();
+        assert_eq!(t.apply(&fin, Some(10), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        assert_eq!(t.apply(&delta("a"), Some(11), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Late);
+        assert_eq!(t.stats().late_events, 1);
+        // The finished memory is bounded: the oldest ids are forgotten.
+        for id in ["b", "c"] {
+            let json = format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#);
+            let fin = decode(json.as_bytes(), 1 << 20).unwrap();
+            t.apply(&fin, None, now, &mut |p| out.push(p), &mut |_| {});
+        }
+        assert_eq!(t.apply(&delta("a"), None, now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+    }
+
+    #[test]
+    fn abandoning_emits_nothing() {
+        let mut t = table(10);
+        let mut out = Vec::new();
+        t.apply(&delta("a"), None, Instant::now(), &mut |p| out.push(p), &mut |_| {});
+        out.clear();
+        assert_eq!(t.abandon_all(), 1);
+        assert!(out.is_empty() && t.is_empty() && t.take_closed().is_empty());
+    }
+}
