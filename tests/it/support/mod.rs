@@ -8,14 +8,15 @@
 //! Nothing here knows about the service under test: tests connect to the URLs and do the rest.
 //!
 //! Without a `nats-server` binary (or `openssl`, for TLS tests) these helpers panic with a
-//! message that says how to install one; the tests never skip silently. The testcontainers /
-//! Docker path is not implemented (Docker cannot run on the project's machines): the binary is
-//! the supported path, and `STRUCTURED_SINK_TEST_DOCKER=1` only prints a note saying so.
+//! message that says how to install one; the tests never skip silently. With
+//! `STRUCTURED_SINK_TEST_DOCKER=1`, single servers run as a `nats` container through
+//! testcontainers instead ([`container`]); restarts and clusters need the binary.
 
 // Each test module uses a different part of this support code, so parts of it (and of these
 // re-exports) are unused in any one build of the test binary.
 #![allow(dead_code, unused_imports)]
 
+mod container;
 mod nats_server;
 mod pki;
 

@@ -70,12 +70,6 @@ pub fn find_nats_server(
 fn nats_server_binary() -> PathBuf {
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let found = BINARY.get_or_init(|| {
-        if env::var_os("STRUCTURED_SINK_TEST_DOCKER").is_some_and(|v| v == "1") {
-            eprintln!(
-                "note: STRUCTURED_SINK_TEST_DOCKER=1 is set, but the test harness only runs the \
-                 nats-server binary (Docker cannot run on the project's machines)"
-            );
-        }
         find_nats_server(env::var_os("NATS_SERVER_BIN"), env::var_os("PATH"), &[Path::new(DEBIAN_BINARY)])
     });
     match found {
@@ -115,7 +109,11 @@ impl NatsServerBuilder {
     }
 
     /// Starts one server and waits until it serves. Panics with the server's log on failure.
+    /// With `STRUCTURED_SINK_TEST_DOCKER=1` the server runs in a container instead.
     pub fn start(self) -> NatsServer {
+        if super::container::requested() {
+            return NatsServer::in_container(&self);
+        }
         let mut server = NatsServer::prepare(&self, None);
         server.spawn();
         if let Err(failure) = server.wait_ready(Instant::now() + START_TIMEOUT) {
@@ -128,6 +126,10 @@ impl NatsServerBuilder {
     /// store, and waits until every node serves (with JetStream: until a meta leader is known).
     /// The configuration text is given to every node.
     pub fn cluster(self, nodes: usize) -> NatsCluster {
+        assert!(
+            !super::container::requested(),
+            "clusters need the nats-server binary; unset STRUCTURED_SINK_TEST_DOCKER"
+        );
         assert!(nodes >= 1, "a cluster needs at least one node");
         let mut last_failure = String::new();
         for _ in 0..CLUSTER_START_TRIES {
@@ -225,6 +227,8 @@ pub struct NatsServer {
     child: Option<Child>,
     /// Length of the output file when the current process started, to read only its output.
     output_offset: u64,
+    /// The container, on the Docker path.
+    container: Option<super::container::NatsContainer>,
 }
 
 impl NatsServer {
@@ -258,10 +262,34 @@ impl NatsServer {
             version: String::new(),
             child: None,
             output_offset: 0,
+            container: None,
         };
         let config = server.config_text(&builder.config);
         fs::write(server.config_path(), config).expect("write nats-server config");
         server
+    }
+
+    /// The Docker path: the same configuration text, in a `nats` container.
+    fn in_container(builder: &NatsServerBuilder) -> NatsServer {
+        let container = super::container::start(&builder.config, builder.jetstream);
+        let version =
+            read_info(container.port).and_then(|info| info["version"].as_str().map(str::to_owned)).unwrap_or_default();
+        NatsServer {
+            binary: PathBuf::from("docker:nats"),
+            dir: tempfile::Builder::new().prefix("nats-container-test-").tempdir().expect("a temporary directory"),
+            jetstream: builder.jetstream,
+            cluster: None,
+            port: Some(container.port),
+            monitor_port: None,
+            version,
+            child: None,
+            output_offset: 0,
+            container: Some(container),
+        }
+    }
+
+    fn assert_binary(&self, what: &str) {
+        assert!(self.container.is_none(), "{what} needs the nats-server binary; unset STRUCTURED_SINK_TEST_DOCKER");
     }
 
     fn config_text(&self, extra: &str) -> String {
@@ -344,6 +372,7 @@ impl NatsServer {
     /// Kills the process (SIGKILL, like a crash) and waits for it to exit. The port and store
     /// are kept for [`restart`](NatsServer::restart). Does nothing if it is not running.
     pub fn stop(&mut self) {
+        self.assert_binary("stopping a server");
         if let Some(mut child) = self.child.take() {
             // Killing a process that already exited fails harmlessly.
             let _ = child.kill();
@@ -356,6 +385,7 @@ impl NatsServer {
     /// configuration and store, and waits until it serves (with JetStream in a cluster: until
     /// its streams have caught up). Panics if the port stays taken by another process.
     pub fn restart(&mut self) {
+        self.assert_binary("restarting a server");
         self.stop();
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -375,6 +405,7 @@ impl NatsServer {
     /// Puts the server into lame duck mode (`nats-server --signal ldm=<pid>`): it tells its
     /// clients to move elsewhere and then shuts down over the lame duck duration.
     pub fn lame_duck(&mut self) {
+        self.assert_binary("lame-duck mode");
         let pid = self.child.as_ref().expect("the server is running").id();
         let status = Command::new(&self.binary)
             .arg("--signal")
