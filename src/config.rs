@@ -784,6 +784,21 @@ mod tests {
     }
 
     #[test]
+    fn numeric_and_boolean_secrets_from_the_environment_are_strings() {
+        Jail::expect_with(|jail| {
+            jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "12345");
+            jail.set_env("STRUCTURED_SINK__NATS__USER", "true");
+            let err = Config::load(None, &[]).unwrap_err().to_string();
+            // Both kinds at once are refused, which proves both were read as strings.
+            assert!(err.contains("nats"), "{err}");
+            jail.clear_env();
+            jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "12345");
+            assert_eq!(Config::load(None, &[]).unwrap().nats.token.as_deref(), Some("12345"));
+            Ok(())
+        });
+    }
+
+    #[test]
     fn printed_config_masks_secrets_and_reloads() {
         Jail::expect_with(|jail| {
             jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "s3cr3t-token");

@@ -45,22 +45,22 @@ pub struct NatsConfig {
     /// Secret. Nkey seed of a user (a string starting with `SU`) for servers configured with
     /// nkey authentication. Prefer an environment variable over a file for this value.
     /// Default: unset.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient_string")]
     pub nkey_seed: Option<String>,
 
     /// User name for user/password authentication; set together with `password`.
     /// Default: unset.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient_string")]
     pub user: Option<String>,
 
     /// Secret. Password for user/password authentication; set together with `user`.
     /// Default: unset.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient_string")]
     pub password: Option<String>,
 
     /// Secret. Token for token authentication (server setting `authorization { token: ... }`).
     /// Default: unset.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "lenient_string")]
     pub token: Option<String>,
 
     /// TLS settings. TLS is used whenever the server requires it or a URL starts with `tls://`,
@@ -313,6 +313,28 @@ fn mask_authority(rest: &str, prefix: &str) -> String {
         None => MASK.to_owned(),
     };
     format!("{prefix}{masked}{}", &rest[at..])
+}
+
+/// Reads a secret or name as a string even when a layer typed it: environment variables are
+/// parsed leniently, so `STRUCTURED_SINK__NATS__TOKEN=12345` arrives as a number and `true` as a
+/// boolean. Both are taken as the text they were written as.
+fn lenient_string<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Lenient {
+        Text(String),
+        Unsigned(u64),
+        Signed(i64),
+        Float(f64),
+        Flag(bool),
+    }
+    Ok(Option::<Lenient>::deserialize(deserializer)?.map(|v| match v {
+        Lenient::Text(s) => s,
+        Lenient::Unsigned(n) => n.to_string(),
+        Lenient::Signed(n) => n.to_string(),
+        Lenient::Float(n) => n.to_string(),
+        Lenient::Flag(b) => b.to_string(),
+    }))
 }
 
 #[cfg(test)]

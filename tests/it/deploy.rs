@@ -101,7 +101,8 @@ fn plain_manifests() -> BTreeMap<String, Value> {
             continue;
         }
         for document in yaml_documents(&read(&file), &file) {
-            let kind = document["kind"].as_str().unwrap_or_else(|| panic!("{file}: a document without kind")).to_owned();
+            let kind =
+                document["kind"].as_str().unwrap_or_else(|| panic!("{file}: a document without kind")).to_owned();
             assert!(out.insert(kind.clone(), document).is_none(), "deploy/k8s: two objects of kind {kind}");
         }
     }
@@ -123,9 +124,8 @@ fn find_on_path(name: &str) -> Option<PathBuf> {
 // ---------------------------------------------------------------------------------------------
 // The service's configuration
 
-/// Runs `structured-sink [ARGS...]` where the last argument `config` prints the effective
-/// configuration; with only the given STRUCTURED_SINK* variables. The printed configuration is
-/// parsed back.
+/// Runs `structured-sink ARGS...` (ending in the `config` command, which prints the effective
+/// configuration) with `env` as its only STRUCTURED_SINK* variables, and parses what it prints.
 fn service_config(args: &[OsString], env: &[(String, String)]) -> Result<Config, String> {
     let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
     for (name, _) in std::env::vars_os() {
@@ -184,7 +184,8 @@ fn env_var_names(text: &str) -> BTreeSet<String> {
     let mut rest = text;
     while let Some(start) = rest.find(ENV_PREFIX) {
         let tail = &rest[start..];
-        let end = tail.find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
+        let end =
+            tail.find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')).unwrap_or(tail.len());
         names.insert(tail[..end].to_owned());
         rest = &tail[end..];
     }
@@ -444,22 +445,23 @@ fn values_schema_accepts_the_defaults_and_rejects_bad_values() {
     let defaults = values();
     assert_eq!(validate(&schema, &defaults), Vec::<String>::new(), "the default values must validate");
 
-    let bad: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
-        ("values.replicaCount", Box::new(|v| v["replicaCount"] = json!("three"))),
-        ("values.replicaCount", Box::new(|v| v["replicaCount"] = json!(0))),
-        ("unknown key `replicas`", Box::new(|v| v["replicas"] = json!(3))),
-        ("values.image.pullPolicy", Box::new(|v| v["image"]["pullPolicy"] = json!("Sometimes"))),
-        ("unknown key `natz`", Box::new(|v| v["config"]["natz"] = json!({}))),
-        ("unknown key `replica_index`", Box::new(|v| v["config"]["partitions"]["replica_index"] = json!(1))),
-        ("unknown key `replica_count`", Box::new(|v| v["config"]["partitions"]["replica_count"] = json!(2))),
-        ("values.config.partitions.mode", Box::new(|v| v["config"]["partitions"]["mode"] = json!("hash"))),
-        ("values.config.http.enabled", Box::new(|v| v["config"]["http"]["enabled"] = json!(false))),
-        ("values.livenessProbe.httpGet.path", Box::new(|v| v["livenessProbe"]["httpGet"]["path"] = json!("/live"))),
-        ("`secretName` is required", Box::new(|v| v["natsSecrets"]["token"] = json!({"key": "token"}))),
+    // (the error expected, the value changed, its new value)
+    let bad = [
+        ("values.replicaCount", "replicaCount", json!("three")),
+        ("values.replicaCount", "replicaCount", json!(0)),
+        ("unknown key `replicas`", "replicas", json!(3)),
+        ("values.image.pullPolicy", "image.pullPolicy", json!("Sometimes")),
+        ("unknown key `natz`", "config.natz", json!({})),
+        ("unknown key `replica_index`", "config.partitions.replica_index", json!(1)),
+        ("unknown key `replica_count`", "config.partitions.replica_count", json!(2)),
+        ("values.config.partitions.mode", "config.partitions.mode", json!("hash")),
+        ("values.config.http.enabled", "config.http.enabled", json!(false)),
+        ("values.livenessProbe.httpGet.path", "livenessProbe.httpGet.path", json!("/live")),
+        ("`secretName` is required", "natsSecrets.token", json!({"key": "token"})),
     ];
-    for (expected, change) in &bad {
+    for (expected, key, value) in bad {
         let mut values = defaults.clone();
-        change(&mut values);
+        set_key(&mut values, key, value);
         let errors = validate(&schema, &values);
         assert!(errors.iter().any(|e| e.contains(expected)), "expected an error about {expected}, got {errors:?}");
     }
@@ -467,6 +469,10 @@ fn values_schema_accepts_the_defaults_and_rejects_bad_values() {
 
 #[test]
 fn values_and_schema_use_only_configuration_keys() {
+    // The check itself: real keys exist, invented ones do not.
+    assert!(config_key_exists("partitions.replica_index") && config_key_exists("nats.tls.ca_file"));
+    assert!(!config_key_exists("partitions.replica_idx") && !config_key_exists("natz.servers"));
+
     let values = values();
     let mut keys = Vec::new();
     leaf_keys(&values["config"], "", &mut keys);
@@ -530,8 +536,7 @@ fn chart_templates_are_well_formed_and_use_existing_values_and_keys() {
     let values = values();
     let templates: Vec<String> = files_under(&format!("{CHART}/templates"));
     let all: String = templates.iter().map(|f| read(f)).collect::<Vec<_>>().join("\n");
-    let defined: BTreeSet<&str> =
-        all.split("define \"").skip(1).map(|rest| &rest[..rest.find('"').unwrap()]).collect();
+    let defined: BTreeSet<&str> = all.split("define \"").skip(1).map(|rest| &rest[..rest.find('"').unwrap()]).collect();
     for file in &templates {
         let text = read(file);
         assert_eq!(text.matches("{{").count(), text.matches("}}").count(), "{file}: unbalanced {{{{ }}}}");
@@ -669,7 +674,10 @@ fn plain_manifests_agree_with_the_chart_defaults() {
     assert_partitions_split(&configs, "deploy/k8s");
 
     let service = &manifests["Service"];
-    assert_eq!(service["spec"]["ports"], json!([{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]));
+    assert_eq!(
+        service["spec"]["ports"],
+        json!([{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}])
+    );
     assert_eq!(service["spec"]["selector"], statefulset["spec"]["selector"]["matchLabels"]);
     assert_eq!(statefulset["spec"]["template"]["metadata"]["labels"], statefulset["spec"]["selector"]["matchLabels"]);
 
@@ -683,7 +691,8 @@ fn plain_manifests_agree_with_the_chart_defaults() {
 
     // The kustomization lists every manifest.
     let kustomization = yaml_file("deploy/k8s/kustomization.yaml");
-    let listed: BTreeSet<&str> = kustomization["resources"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    let listed: BTreeSet<&str> =
+        kustomization["resources"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
     let present: BTreeSet<String> = files_under("deploy/k8s")
         .into_iter()
         .filter(|f| !f.ends_with("kustomization.yaml"))
@@ -755,7 +764,12 @@ fn helm_lints_and_renders_the_chart_like_the_plain_manifests() {
         return;
     }
     let lint = helm(&["lint", "--strict", CHART]);
-    assert!(lint.status.success(), "helm lint: {}{}", String::from_utf8_lossy(&lint.stdout), String::from_utf8_lossy(&lint.stderr));
+    assert!(
+        lint.status.success(),
+        "helm lint: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
 
     let objects = helm_template(&[]).unwrap_or_else(|e| panic!("helm template: {e}"));
     let manifests = plain_manifests();
@@ -764,7 +778,11 @@ fn helm_lints_and_renders_the_chart_like_the_plain_manifests() {
     for (kind, plain) in &manifests {
         let object = rendered(&objects, kind);
         assert_eq!(object["metadata"]["name"], RELEASE);
-        assert_eq!(comparable(object), comparable(plain), "{kind}: the chart's default rendering differs from deploy/k8s");
+        assert_eq!(
+            comparable(object),
+            comparable(plain),
+            "{kind}: the chart's default rendering differs from deploy/k8s"
+        );
     }
     let annotations = &rendered(&objects, "StatefulSet")["spec"]["template"]["metadata"]["annotations"];
     assert!(annotations["checksum/config"].is_string(), "a config change must roll the pods");
@@ -772,8 +790,9 @@ fn helm_lints_and_renders_the_chart_like_the_plain_manifests() {
     // The schema is enforced, and so is a single kind of authentication.
     let error = helm_template(&["--set-string", "replicaCount=three"]).expect_err("a string replicaCount");
     assert!(error.contains("replicaCount"), "{error}");
-    let error = helm_template(&["--set", "natsSecrets.token.secretName=a", "--set", "natsSecrets.nkeySeed.secretName=b"])
-        .expect_err("two kinds of authentication");
+    let error =
+        helm_template(&["--set", "natsSecrets.token.secretName=a", "--set", "natsSecrets.nkeySeed.secretName=b"])
+            .expect_err("two kinds of authentication");
     assert!(error.contains("at most one kind"), "{error}");
 
     // Secrets: mounted files named in config.toml, or environment variables from the Secret.
@@ -800,10 +819,19 @@ fn helm_lints_and_renders_the_chart_like_the_plain_manifests() {
     let objects = helm_template(&["--set", "natsSecrets.userPassword.secretName=nats-auth"]).unwrap();
     let env = &rendered(&objects, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["env"];
     let names: Vec<&str> = env.as_array().unwrap().iter().map(|e| e["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX", "STRUCTURED_SINK__NATS__USER", "STRUCTURED_SINK__NATS__PASSWORD"]);
+    assert_eq!(
+        names,
+        [
+            "STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX",
+            "STRUCTURED_SINK__NATS__USER",
+            "STRUCTURED_SINK__NATS__PASSWORD"
+        ]
+    );
     assert_eq!(env[2]["valueFrom"]["secretKeyRef"], json!({"name": "nats-auth", "key": "password"}));
 
-    let objects = helm_template(&["--set", "serviceMonitor.enabled=true", "--set", "config.service.shutdown_timeout_ms=20500"]).unwrap();
+    let objects =
+        helm_template(&["--set", "serviceMonitor.enabled=true", "--set", "config.service.shutdown_timeout_ms=20500"])
+            .unwrap();
     assert_eq!(rendered(&objects, "ServiceMonitor")["spec"]["endpoints"][0]["port"], "http");
     let pod = &rendered(&objects, "StatefulSet")["spec"]["template"]["spec"];
     assert_eq!(pod["terminationGracePeriodSeconds"], grace_period_seconds(20_500));
@@ -844,7 +872,8 @@ fn nats_mappings(conf: &str) -> Vec<(String, String)> {
 }
 
 fn nats_mappings_block(conf: &str) -> String {
-    let start = conf.lines().position(|l| l.trim_start().starts_with("mappings")).expect("a mappings block in nats.conf");
+    let start =
+        conf.lines().position(|l| l.trim_start().starts_with("mappings")).expect("a mappings block in nats.conf");
     let lines: Vec<&str> = conf.lines().skip(start).collect();
     let end = lines.iter().position(|l| l.trim() == "}").expect("the end of the mappings block");
     lines[..=end].join("\n") + "\n"
@@ -887,36 +916,49 @@ fn compose_runs_two_replicas_on_disjoint_partitions() {
     let nats_volumes: Vec<&str> = nats["volumes"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
     let conf_mount = nats_volumes.iter().find(|v| v.starts_with("./nats.conf:")).expect("nats.conf mounted");
     let conf_target = conf_mount.split(':').nth(1).unwrap();
-    assert!(nats["command"].as_array().unwrap().iter().any(|a| a == conf_target), "nats runs with the mounted nats.conf");
+    assert!(
+        nats["command"].as_array().unwrap().iter().any(|a| a == conf_target),
+        "nats runs with the mounted nats.conf"
+    );
     assert_eq!(nats["healthcheck"]["test"][0], "CMD");
 
     let mut sinks: Vec<(&String, &Value)> = services
         .iter()
         .filter(|(_, s)| s["environment"].get("STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX").is_some())
         .collect();
-    sinks.sort_by_key(|(_, s)| s["environment"]["STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX"].as_str().unwrap().to_owned());
+    sinks.sort_by_key(|(_, s)| {
+        s["environment"]["STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX"].as_str().unwrap().to_owned()
+    });
     assert_eq!(sinks.len(), 2, "two replicas");
     let mut configs = Vec::new();
     let mut host_ports = BTreeSet::new();
     for (name, sink) in &sinks {
         let build = &sink["build"];
         let context = repo().join("deploy").join(build["context"].as_str().unwrap());
-        assert_eq!(context.canonicalize().unwrap(), repo().canonicalize().unwrap(), "{name}: build context is the repository");
+        assert_eq!(
+            context.canonicalize().unwrap(),
+            repo().canonicalize().unwrap(),
+            "{name}: build context is the repository"
+        );
         assert_eq!(build["dockerfile"], "deploy/Dockerfile");
         assert_eq!(sink["read_only"], true, "{name}");
         assert_eq!(sink["cap_drop"], json!(["ALL"]), "{name}");
         assert_eq!(sink["depends_on"]["nats"]["condition"], "service_healthy", "{name}");
-        let check: Vec<&str> = sink["healthcheck"]["test"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+        let check: Vec<&str> =
+            sink["healthcheck"]["test"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
         assert_eq!(&check[..2], ["CMD", "/usr/local/bin/healthcheck"], "{name}: exec-form health probe");
 
         let env: Vec<(String, String)> = sink["environment"]
             .as_object()
             .unwrap()
             .iter()
-            .map(|(k, v)| (k.clone(), interpolate_unset(v.as_str().unwrap_or_else(|| panic!("{name}: {k} must be a string")))))
+            .map(|(k, v)| {
+                (k.clone(), interpolate_unset(v.as_str().unwrap_or_else(|| panic!("{name}: {k} must be a string"))))
+            })
             .collect();
         for (variable, _) in &env {
-            let key = env_var_key(variable).unwrap_or_else(|| panic!("{name}: {variable} is not a STRUCTURED_SINK__ variable"));
+            let key = env_var_key(variable)
+                .unwrap_or_else(|| panic!("{name}: {variable} is not a STRUCTURED_SINK__ variable"));
             assert!(config_key_exists(&key), "deploy/compose.yaml {name}: {variable} is not a configuration key");
         }
         let config = service_config(&["config".into()], &env).unwrap_or_else(|e| panic!("compose {name}: {e}"));
@@ -925,14 +967,20 @@ fn compose_runs_two_replicas_on_disjoint_partitions() {
         assert_eq!(config.partitions.subject_prefix, prefix, "{name}");
         assert_eq!(u64::try_from(sinks.len()).unwrap(), u64::from(config.partitions.replica_count), "{name}");
         let grace = duration_seconds(sink["stop_grace_period"].as_str().unwrap());
-        assert!(grace >= grace_period_seconds(config.service.shutdown_timeout_ms), "{name}: stop_grace_period {grace}s");
+        assert!(
+            grace >= grace_period_seconds(config.service.shutdown_timeout_ms),
+            "{name}: stop_grace_period {grace}s"
+        );
         let port = http_port(&config.http.listen);
         for mapping in sink["ports"].as_array().unwrap() {
             let (host, container) = mapping.as_str().unwrap().rsplit_once(':').unwrap();
             assert_eq!(container.parse::<u64>().unwrap(), port, "{name}: published port");
             assert!(host_ports.insert(host.to_owned()), "{name}: host port {host} used twice");
         }
-        assert!(check.get(2).is_none_or(|target| target.starts_with(&format!("127.0.0.1:{port}/"))), "{name}: {check:?}");
+        assert!(
+            check.get(2).is_none_or(|target| target.starts_with(&format!("127.0.0.1:{port}/"))),
+            "{name}: {check:?}"
+        );
         configs.push(config);
     }
     assert_partitions_split(&configs, "deploy/compose.yaml");
@@ -958,7 +1006,10 @@ fn otel_collector_pipelines_use_defined_components_and_scrape_the_replicas() {
         for section in ["receivers", "processors", "exporters"] {
             for component in pipeline[section].as_array().into_iter().flatten() {
                 let component = component.as_str().unwrap();
-                assert!(collector[section].get(component).is_some(), "pipeline {name}: {section} `{component}` is not defined");
+                assert!(
+                    collector[section].get(component).is_some(),
+                    "pipeline {name}: {section} `{component}` is not defined"
+                );
             }
         }
     }
@@ -974,8 +1025,9 @@ fn otel_collector_pipelines_use_defined_components_and_scrape_the_replicas() {
 
 #[test]
 fn nats_conf_is_valid_for_the_real_server() {
-    let server = find_nats_server(std::env::var_os("NATS_SERVER_BIN"), std::env::var_os("PATH"), &[Path::new(DEBIAN_BINARY)])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let server =
+        find_nats_server(std::env::var_os("NATS_SERVER_BIN"), std::env::var_os("PATH"), &[Path::new(DEBIAN_BINARY)])
+            .unwrap_or_else(|e| panic!("{e}"));
     // -t: check the configuration and exit (no listener, no store directory).
     let output = Command::new(&server).arg("-t").arg("-c").arg(repo().join("deploy/nats.conf")).output().unwrap();
     assert!(output.status.success(), "{}: {}", server.display(), String::from_utf8_lossy(&output.stderr));
@@ -995,7 +1047,8 @@ async fn nats_conf_maps_message_ids_to_the_partitions_the_service_computes() {
     let client = async_nats::connect(server.url()).await.unwrap();
     let mut partitioned = client.subscribe(format!("{prefix}.p.>")).await.unwrap();
     client.flush().await.unwrap();
-    let ids: Vec<String> = (0..40).map(|i| format!("msg-{i:03}-{}", i * 7919)).chain(["a".into(), "Z_9-x".into()]).collect();
+    let ids: Vec<String> =
+        (0..40).map(|i| format!("msg-{i:03}-{}", i * 7919)).chain(["a".into(), "Z_9-x".into()]).collect();
     for id in &ids {
         client.publish(format!("{prefix}.{id}"), "{}".into()).await.unwrap();
     }
@@ -1129,7 +1182,10 @@ fn docker_build_where_possible() {
     let output = Command::new(&docker).args(["run", "--rm", "--read-only", tag, "config"]).output().unwrap();
     assert!(output.status.success(), "the image's binary: {}", String::from_utf8_lossy(&output.stderr));
     assert!(String::from_utf8_lossy(&output.stdout).contains("[partitions]"));
-    let output = Command::new(&docker).args(["run", "--rm", "--entrypoint", "/usr/local/bin/healthcheck", tag]).output().unwrap();
+    let output = Command::new(&docker)
+        .args(["run", "--rm", "--entrypoint", "/usr/local/bin/healthcheck", tag])
+        .output()
+        .unwrap();
     assert!(!output.status.success(), "no service runs, so the probe must fail");
 }
 
@@ -1166,7 +1222,8 @@ fn docker_build_context_lets_in_every_file_the_build_reads() {
     // Cargo resolves every [[bench]] target of the manifest, even for `--bin`.
     for bench in manifest.get("bench").and_then(toml::Value::as_array).into_iter().flatten() {
         let name = bench["name"].as_str().unwrap();
-        needed.push(bench.get("path").and_then(toml::Value::as_str).map_or(format!("benches/{name}.rs"), str::to_owned));
+        needed
+            .push(bench.get("path").and_then(toml::Value::as_str).map_or(format!("benches/{name}.rs"), str::to_owned));
     }
     // build.rs compiles proto/; src embeds files with include_str!/include_bytes!.
     needed.extend(files_under("proto"));
@@ -1198,7 +1255,10 @@ fn docker_build_context_lets_in_every_file_the_build_reads() {
     }
     for path in &needed {
         assert!(repo().join(path).exists(), "{path} is needed by the build but does not exist");
-        assert!(build_context_allows(path), "{path} is needed by the image build but deploy/Dockerfile.dockerignore leaves it out");
+        assert!(
+            build_context_allows(path),
+            "{path} is needed by the image build but deploy/Dockerfile.dockerignore leaves it out"
+        );
     }
     assert!(needed.iter().any(|p| p == "deploy/healthcheck.rs"));
     for heavy in ["target/debug", ".git/HEAD", "helm/structured-sink/values.yaml"] {
