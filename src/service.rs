@@ -155,6 +155,14 @@ impl RunningService {
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
             held: HashMap::new(),
+            // A short ack timeout: a confirmation lost with a failing server is retried soon
+            // instead of holding the worker for async-nats' default 30 s.
+            confirm: config.jetstream.enabled.then(|| {
+                async_nats::jetstream::ContextBuilder::new().ack_timeout(Duration::from_secs(2)).build(client.clone())
+            }),
+            unconfirmed: HashMap::new(),
+            unconfirmed_total: 0,
+            unconfirmed_failures: Default::default(),
         };
         let shards = ShardSet::start(settings, |_| {
             (StreamTable::new(pipeline.clone(), encoder.clone(), limits), sink_template.clone())
@@ -316,7 +324,6 @@ struct Reported {
 /// events that leave the pipeline (dead letters, pass-through, drops), and only once their
 /// stream has ended for text events, so that a stream interrupted by a crash is delivered again
 /// from its first event to the next owner.
-#[derive(Clone)]
 pub struct NatsSink {
     client: async_nats::Client,
     metrics: Arc<Metrics>,
@@ -326,6 +333,52 @@ pub struct NatsSink {
     /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
     /// delivery).
     held: HashMap<Box<str>, Vec<(u64, Subject)>>,
+    /// JetStream input: outputs are published through JetStream and their storage confirmed
+    /// before the stream's input is acknowledged (a core publish can be lost when the server
+    /// that took it dies before passing it on to the stream's leader).
+    confirm: Option<async_nats::jetstream::Context>,
+    /// Storage confirmations not yet awaited, per open stream.
+    unconfirmed: HashMap<Box<str>, Vec<Unconfirmed>>,
+    /// The number of confirmations in `unconfirmed`.
+    unconfirmed_total: usize,
+    /// Open streams with an output whose storage failed: their input is not acknowledged.
+    unconfirmed_failures: std::collections::HashSet<Box<str>>,
+}
+
+/// An output published through JetStream whose storage is not confirmed yet, with what it takes
+/// to publish it again (same `Nats-Msg-Id`, so a copy that was stored after all is dropped).
+struct Unconfirmed {
+    confirmation: async_nats::jetstream::context::PublishAckFuture,
+    subject: Subject,
+    headers: HeaderMap,
+    payload: Bytes,
+}
+
+/// How often an unconfirmed output is published again before its stream's input is left
+/// unacknowledged.
+const CONFIRM_ATTEMPTS: u32 = 20;
+
+/// Confirmations outstanding per worker before all of them are awaited. It bounds memory, and
+/// stays well below async-nats' limit of in-flight publish acks (5,000 per connection), beyond
+/// which a publish would wait for permits that only awaiting confirmations frees.
+const MAX_UNCONFIRMED: usize = 1024;
+
+impl Clone for NatsSink {
+    /// A sink for another worker: same connection and settings, nothing held.
+    fn clone(&self) -> Self {
+        NatsSink {
+            client: self.client.clone(),
+            metrics: self.metrics.clone(),
+            pass_through: self.pass_through.clone(),
+            dead_letter: self.dead_letter.clone(),
+            reported: Reported::default(),
+            held: HashMap::new(),
+            confirm: self.confirm.clone(),
+            unconfirmed: HashMap::new(),
+            unconfirmed_total: 0,
+            unconfirmed_failures: Default::default(),
+        }
+    }
 }
 
 impl NatsSink {
@@ -337,6 +390,39 @@ impl NatsSink {
                 tracing::error!(%subject, error = %e, "publish failed");
             }
         }
+    }
+
+    /// Waits for storage confirmations, publishing again (with backoff, same message id) what was
+    /// not confirmed, for instance across a server restart. True when every output was stored, or
+    /// when no stream captures the output subjects (nothing downstream to confirm).
+    async fn await_confirmations(&self, pending: Vec<Unconfirmed>) -> bool {
+        use async_nats::jetstream::context::PublishErrorKind;
+        let Some(js) = self.confirm.as_ref() else { return true };
+        let mut all = true;
+        for output in pending {
+            let mut result = output.confirmation.await;
+            let mut attempt = 0;
+            while let Err(e) = &result {
+                if e.kind() == PublishErrorKind::StreamNotFound {
+                    break;
+                }
+                attempt += 1;
+                if attempt > CONFIRM_ATTEMPTS {
+                    all = false;
+                    tracing::error!(subject = %output.subject, error = %e, "an output was not confirmed");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt.min(10)))).await;
+                result = match js
+                    .publish_with_headers(output.subject.clone(), output.headers.clone(), output.payload.clone())
+                    .await
+                {
+                    Ok(confirmation) => confirmation.await,
+                    Err(e) => Err(e),
+                };
+            }
+        }
+        all
     }
 
     /// Acknowledges a JetStream input message (nothing for core NATS input).
@@ -379,7 +465,33 @@ impl ShardSink<Envelope> for NatsSink {
             }
         }
         let kind = output_kind(publication.type_name);
-        self.send(kind, Subject::from(publication.subject.as_ref()), headers, publication.payload).await;
+        let subject = Subject::from(publication.subject.as_ref());
+        match self.confirm.clone() {
+            None => self.send(kind, subject, headers, publication.payload).await,
+            Some(js) => {
+                let stream_id = publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id);
+                match js.publish_with_headers(subject.clone(), headers.clone(), publication.payload.clone()).await {
+                    Ok(confirmation) => {
+                        self.metrics.count_published(kind);
+                        let unconfirmed = Unconfirmed { confirmation, subject, headers, payload: publication.payload };
+                        self.unconfirmed.entry(stream_id.into()).or_default().push(unconfirmed);
+                        self.unconfirmed_total += 1;
+                        if self.unconfirmed_total >= MAX_UNCONFIRMED {
+                            for (stream, pending) in std::mem::take(&mut self.unconfirmed) {
+                                if !self.await_confirmations(pending).await {
+                                    self.unconfirmed_failures.insert(stream);
+                                }
+                            }
+                            self.unconfirmed_total = 0;
+                        }
+                    }
+                    Err(e) => {
+                        self.metrics.count_publish_error(kind);
+                        tracing::error!(%subject, error = %e, "publish failed");
+                    }
+                }
+            }
+        }
         if let Some(cause) = cause {
             self.metrics.observe_event_latency(cause.received.elapsed());
         }
@@ -428,8 +540,17 @@ impl ShardSink<Envelope> for NatsSink {
     }
 
     async fn stream_closed(&mut self, stream_id: &str) {
-        // The stream's outputs were published before this (same connection, in order), so the
-        // server has them before it sees these acks.
+        // Core publishes: the stream's outputs went out before these acks on the same connection.
+        // JetStream: their storage is confirmed first; if it was not, the input stays
+        // unacknowledged so that it is processed again.
+        let pending = self.unconfirmed.remove(stream_id).unwrap_or_default();
+        self.unconfirmed_total -= pending.len();
+        let stored = self.await_confirmations(pending).await;
+        if !stored || self.unconfirmed_failures.remove(stream_id) {
+            tracing::error!(stream_id, "outputs not confirmed; leaving the stream's input unacknowledged");
+            self.held.remove(stream_id);
+            return;
+        }
         for (_, reply) in self.held.remove(stream_id).unwrap_or_default() {
             self.send_ack(reply).await;
         }

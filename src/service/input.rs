@@ -126,8 +126,8 @@ pub async fn verify_mapping(client: &async_nats::Client, ownership: &Ownership) 
 pub enum Source {
     /// A core NATS subscription.
     Core(async_nats::Subscriber),
-    /// A JetStream pull consumer's message stream.
-    JetStream(Box<pull::Stream>),
+    /// A JetStream pull consumer and its message stream.
+    JetStream(Box<(jetstream::consumer::PullConsumer, pull::Stream)>),
 }
 
 /// Opens the sources of this replica: subscriptions, or JetStream consumers.
@@ -221,7 +221,7 @@ async fn open_consumers(
             stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         let messages = consumer.messages().await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        sources.push((subject, Source::JetStream(Box::new(messages))));
+        sources.push((subject, Source::JetStream(Box::new((consumer, messages)))));
     }
     Ok(sources)
 }
@@ -249,8 +249,18 @@ impl Source {
                     let message = subscriber.next().await?;
                     return Some(Envelope::core(message));
                 }
-                Source::JetStream(messages) => match messages.next().await? {
-                    Ok(message) => {
+                Source::JetStream(pair) => match pair.1.next().await {
+                    None => {
+                        // The pull stream ended (a consumer leader lost with its node, a
+                        // reconnect): open it again; only shutdown ends a JetStream source.
+                        tracing::warn!("JetStream pull stream ended; reopening it");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        match pair.0.messages().await {
+                            Ok(messages) => pair.1 = messages,
+                            Err(e) => tracing::warn!(error = %e, "reopening the pull stream failed; retrying"),
+                        }
+                    }
+                    Some(Ok(message)) => {
                         let (sequence, delivered) =
                             message.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
                         let ack = message.message.reply.clone();
@@ -260,7 +270,7 @@ impl Source {
                         envelope.redelivered = delivered > 1;
                         return Some(envelope);
                     }
-                    Err(e) => {
+                    Some(Err(e)) => {
                         // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
                         tracing::warn!(error = %e, "JetStream pull failed; retrying");
                         tokio::time::sleep(Duration::from_millis(100)).await;
