@@ -1,0 +1,1608 @@
+//! End-to-end load tool: structured-sink against a plain relay, in the same run, on a real
+//! `nats-server` on a loopback port.
+//!
+//! Run (release): `cargo bench --bench e2e -- [--streams N] [--events-per-stream M]
+//! [--mode core|jetstream] [--quick] [--idle-streams N] [--no-completion] [--window N]
+//! [--rounds R]`. Without `--bench` on the command line (as under `cargo test --all-targets`) it
+//! runs a small smoke configuration and fails if an output is missing.
+//!
+//! What it does:
+//! * Starts `nats-server` (`NATS_SERVER_BIN`, else `nats-server` on `PATH`, else
+//!   `/usr/sbin/nats-server`) on a free port of 127.0.0.1, with JetStream in a temporary directory
+//!   for `--mode jetstream`; it is killed when the tool ends.
+//! * Builds a workload of N synthetic agent streams (geppetto JSON as Go writes it, ~4-byte deltas
+//!   of prose with `<thinking>`, YAML blocks, tool calls and citations mixed in, cumulative
+//!   `completion`/`text` fields, 1 stream in 4 in the canonical vocabulary), interleaved
+//!   round-robin over the streams in a shuffled order, published to subject `chat`.
+//! * Predicts every output of the service by running the same processing offline (decode and
+//!   `StreamTable::apply`, built from the same `Config`): for each stream, output `seq` n was caused
+//!   by a known input event. This is how latency is measured without the service carrying a
+//!   timestamp: the producer stores each event's publish time (ns since a process-wide epoch) in a
+//!   table indexed by event; a downstream subscriber on `chat.>` reads `Nats-Msg-Id:
+//!   <stream_id>:<seq>` of every output, finds the event that caused it, and records receive time
+//!   minus publish time. Every expected output is checked off exactly once (missing, duplicate
+//!   and unexpected outputs are reported). The relay forwards the producer's `Bench-Event: <index>`
+//!   header unchanged, which identifies the event directly; the service never copies it.
+//! * Phases, each with a fresh system under test: idle-stream memory (service only, first, so that
+//!   freed workload memory cannot hide growth), then per round relay and service at maximum rate,
+//!   then service and relay paced at half the service's maximum rate. Maximum rate is a closed
+//!   loop: the producer publishes as fast as it can while at most `--window` expected outputs are
+//!   outstanding (below the 65,536-message client buffers, so nothing is dropped); the rate is
+//!   events / (last output received - first event published).
+//! * The service runs in this process (`RunningService::start`, 2 shards, HTTP off). The relay is
+//!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
+//!   producer runs on its own thread and client; the subscriber on another client.
+//!
+//! Every loop is bounded in count and time; only 127.0.0.1 is used.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use futures::StreamExt;
+use structured_sink::bus::{self, ConnectionEvent, NatsConfig};
+use structured_sink::codec::inbound::decode;
+use structured_sink::config::Config;
+use structured_sink::service::RunningService;
+use structured_sink::shard::table::{StreamTable, TableLimits};
+
+// ---------------------------------------------------------------------------------------------
+// Command line.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Core,
+    JetStream,
+}
+
+#[derive(Debug, Clone)]
+struct Args {
+    streams: usize,
+    events_per_stream: usize,
+    mode: Mode,
+    quick: bool,
+    idle_streams: usize,
+    cumulative: bool,
+    window: u64,
+    rounds: usize,
+    shards: usize,
+    smoke: bool,
+    /// Only the service at maximum rate, `rounds` times, for a profiler; no report.
+    profile_service: bool,
+    /// `--mode jetstream`: `jetstream.max_ack_pending` (default: every event of the workload).
+    ack_pending: Option<i64>,
+    /// The paced rate of the latency phases (default: half the service's maximum).
+    rate: Option<f64>,
+}
+
+const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
+[--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
+[--rounds R (1)] [--shards N (2)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service]";
+
+fn parse_args() -> Result<Args> {
+    // (see USAGE)
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let bench = raw.iter().any(|a| a == "--bench");
+    let mut args = Args {
+        streams: 1000,
+        events_per_stream: 300,
+        mode: Mode::Core,
+        quick: false,
+        idle_streams: 100_000,
+        cumulative: true,
+        window: 20_000,
+        rounds: 1,
+        shards: 2,
+        smoke: !bench,
+        profile_service: false,
+        ack_pending: None,
+        rate: None,
+    };
+    let (mut streams, mut events, mut idle) = (None, None, None);
+    let mut it = raw.iter();
+    let number = |flag: &str, v: Option<&String>| -> Result<usize> {
+        let v = v.ok_or_else(|| anyhow!("{flag} needs a value\n{USAGE}"))?;
+        v.replace('_', "").parse::<usize>().map_err(|_| anyhow!("{flag}: {v:?} is not a number\n{USAGE}"))
+    };
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--bench" => {}
+            "--streams" => streams = Some(number(a, it.next())?.max(1)),
+            "--events-per-stream" => events = Some(number(a, it.next())?.max(2)),
+            "--idle-streams" => idle = Some(number(a, it.next())?),
+            "--window" => args.window = number(a, it.next())?.max(100) as u64,
+            "--rounds" => args.rounds = number(a, it.next())?.clamp(1, 10),
+            "--shards" => args.shards = number(a, it.next())?.max(1),
+            "--quick" => args.quick = true,
+            "--no-completion" => args.cumulative = false,
+            "--profile-service" => args.profile_service = true,
+            "--rate" => args.rate = Some(number(a, it.next())?.max(100) as f64),
+            "--ack-pending" => args.ack_pending = Some(number(a, it.next())?.max(1) as i64),
+            "--mode" => {
+                args.mode = match it.next().map(String::as_str) {
+                    Some("core") => Mode::Core,
+                    Some("jetstream") => Mode::JetStream,
+                    other => bail!("--mode: {other:?} is not core or jetstream\n{USAGE}"),
+                }
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
+        }
+    }
+    if args.smoke {
+        // `cargo test --all-targets` runs bench binaries without `--bench`: a few seconds only.
+        (args.streams, args.events_per_stream, args.idle_streams) = (20, 30, 2_000);
+    } else if args.quick {
+        (args.streams, args.events_per_stream, args.idle_streams) = (200, 100, 20_000);
+    }
+    args.streams = streams.unwrap_or(args.streams);
+    args.events_per_stream = events.unwrap_or(args.events_per_stream);
+    args.idle_streams = idle.unwrap_or(args.idle_streams);
+    Ok(args)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workload (same generator as benches/pipeline.rs).
+
+/// A small deterministic generator (SplitMix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "model",
+    "streams",
+    "tokens",
+    "while",
+    "users",
+    "read",
+    "answers,",
+    "quickly.",
+    "and",
+    "a",
+    "service",
+    "filters",
+    "blocks",
+    "from",
+    "text;",
+    "each",
+    "delta",
+    "is",
+    "small",
+    "so",
+    "latency",
+    "matters",
+    "—",
+    "café",
+    "x < y",
+    "results",
+    "show",
+    "that",
+    "NATS",
+    "subjects",
+    "carry",
+    "events",
+    "to",
+    "subscribers.",
+];
+
+fn prose(rng: &mut Rng, len: usize) -> String {
+    let mut out = String::with_capacity(len + 16);
+    while out.len() < len {
+        out.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
+        out.push(if rng.below(12) == 0 { '\n' } else { ' ' });
+    }
+    out
+}
+
+const THINKING: &str = "<thinking>The user asks for a literature review; research mode fits better, \
+and I should look up recent papers before answering.</thinking>\n";
+const MODE_SWITCH: &str = "<pinocchio:agent_mode_switch:v1>\n```yaml\nmode_switch:\n  analysis: The user wants a \
+literature review, so research mode fits.\n  new_mode: research\n```\n</pinocchio:agent_mode_switch:v1>\n";
+const TOOL_CALL: &str = "<tool>{\"tool_name\":\"search\",\"server_name\":\"web\",\"arguments\":{\"query\":\"nats \
+jetstream ack latency < 1ms\",\"limit\":5}}</tool>\n";
+const CITATIONS: &str = "<geppetto:citations:v1>\n```yaml\ncitations:\n  - title: Attention Is All You Need\n    \
+authors: [Vaswani, Shazeer, Parmar]\n    year: 2017\n    url: https://arxiv.org/abs/1706.03762\n  - title: \
+Streaming LLM Output\n    authors: [Doe]\n```\n</geppetto:citations:v1>\n";
+
+/// One response of about `target` bytes: prose with thinking, a YAML block, a tool call and
+/// citations mixed in, ending in prose.
+fn response(rng: &mut Rng, target: usize) -> String {
+    let specials = [THINKING, MODE_SWITCH, TOOL_CALL, CITATIONS];
+    let mut out = String::with_capacity(target + 512);
+    let mut k = rng.below(4) as usize;
+    while out.len() < target {
+        let len = 40 + rng.below(160) as usize;
+        out.push_str(&prose(rng, len));
+        if out.len() < target {
+            out.push_str(specials[k % specials.len()]);
+            k += 1;
+        }
+    }
+    out.push_str(&prose(rng, 20));
+    out
+}
+
+/// Deltas of 2 to 6 bytes (4 on average), cut at character boundaries.
+fn deltas(rng: &mut Rng, text: &str) -> Vec<String> {
+    let mut out = Vec::with_capacity(text.len() / 4 + 1);
+    let mut start = 0;
+    while start < text.len() {
+        let mut end = (start + 2 + rng.below(5) as usize).min(text.len());
+        while !text.is_char_boundary(end) {
+            end += 1;
+        }
+        out.push(text[start..end].to_owned());
+        start = end;
+    }
+    out
+}
+
+/// A JSON string as Go's `encoding/json` writes it (`<`, `>`, `&` escaped).
+fn go_json(s: &str) -> String {
+    serde_json::to_string(s)
+        .expect("a string serializes")
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+}
+
+/// The message id of stream `index` in run `run` (a UUID whose last group is the index).
+fn message_id(run: u32, index: usize) -> String {
+    format!("{run:08x}-5b7d-4e8a-9b10-{index:012x}")
+}
+
+fn legacy_meta(mid: &str, index: usize) -> String {
+    format!(
+        r#"{{"model":"gpt-4o-mini","message_id":"{mid}","session_id":"sess-{index}","inference_id":"inf-{index}","turn_id":"turn-1"}}"#
+    )
+}
+
+/// One stream's events as JSON payloads; `cumulative` adds `completion`/`text` to every delta.
+/// Returns the stream id the service will use and the events.
+fn stream_events(run: u32, index: usize, events: usize, cumulative: bool) -> (String, Vec<Vec<u8>>) {
+    let mut rng = Rng(0x5eed ^ (u64::from(run) << 32) ^ index as u64);
+    let text = response(&mut rng, events.saturating_sub(1).max(1) * 4);
+    let pieces = deltas(&mut rng, &text);
+    let mid = message_id(run, index);
+    let canonical = index % 4 == 3;
+    let segment = format!("openai:run-{index}:provider-call:0:msg_{index:x}:0:text");
+    let stream_id = if canonical { segment.clone() } else { mid.clone() };
+    let meta = legacy_meta(&mid, index);
+    let correlation = format!(
+        r#"{{"session_id":"sess-{index}","run_id":"run-{index}","turn_id":"turn-1","provider_call_id":"openai:run-{index}:provider-call:0","segment_id":"{segment}"}}"#
+    );
+    let mut out = Vec::with_capacity(pieces.len() + 1);
+    let mut so_far = String::with_capacity(text.len());
+    for (n, piece) in pieces.iter().enumerate() {
+        so_far.push_str(piece);
+        let json = match (canonical, cumulative) {
+            (false, true) => format!(
+                r#"{{"type":"partial","meta":{meta},"delta":{},"completion":{}}}"#,
+                go_json(piece),
+                go_json(&so_far)
+            ),
+            (false, false) => format!(r#"{{"type":"partial","meta":{meta},"delta":{}}}"#, go_json(piece)),
+            (true, true) => format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"{mid}","session_id":"sess-{index}"}},"correlation":{correlation},"delta":{},"text":{},"sequence":{}}}"#,
+                go_json(piece),
+                go_json(&so_far),
+                n + 1
+            ),
+            (true, false) => format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"{mid}","session_id":"sess-{index}"}},"correlation":{correlation},"delta":{},"sequence":{}}}"#,
+                go_json(piece),
+                n + 1
+            ),
+        };
+        out.push(json.into_bytes());
+    }
+    let last = if canonical {
+        format!(
+            r#"{{"type":"text-segment-finished","meta":{{"message_id":"{mid}","session_id":"sess-{index}"}},"correlation":{correlation},"text":{},"finish_reason":"stop"}}"#,
+            go_json(&text)
+        )
+    } else {
+        format!(
+            r#"{{"type":"final","meta":{{"model":"gpt-4o-mini","stop_reason":"stop","usage":{{"input_tokens":120,"output_tokens":{}}},"duration_ms":1834,"message_id":"{mid}","session_id":"sess-{index}","inference_id":"inf-{index}","turn_id":"turn-1"}},"text":{}}}"#,
+            pieces.len(),
+            go_json(&text)
+        )
+    };
+    out.push(last.into_bytes());
+    (stream_id, out)
+}
+
+/// The stream index encoded in a stream id made by [`stream_events`]: the last group of a
+/// legacy message id, or the number after `run-` of a canonical segment id. Parsed rather than
+/// looked up, so that the subscriber stays cheap (the caller checks the id matches).
+fn stream_of_id(id: &str) -> Option<usize> {
+    if let Some(rest) = id.strip_prefix("openai:run-") {
+        return rest.split_once(':')?.0.parse().ok();
+    }
+    usize::from_str_radix(id.get(id.len().checked_sub(12)?..)?, 16).ok()
+}
+
+/// Everything a phase needs to publish the workload and account for every output.
+struct Workload {
+    /// Event payloads by global event index (stream after stream).
+    payloads: Vec<Bytes>,
+    /// Publish order: global event indices, round-robin over the streams in a shuffled order.
+    order: Vec<u32>,
+    /// Stream ids (as in `Nats-Msg-Id`) by stream index.
+    stream_ids: Vec<String>,
+    /// Per stream, the global event index that causes output `seq` (at `seq - 1`).
+    seq_event: Vec<Vec<u32>>,
+    /// Per stream, where its outputs start in a flat numbering of all outputs.
+    output_offset: Vec<u64>,
+    /// Per publish position k: outputs the service will have emitted once `order[..=k]` is in.
+    expected_after: Vec<u64>,
+    /// Outputs the service emits for the whole workload.
+    expected_outputs: u64,
+    /// Expected outputs by subject family: filtered, structured, thinking, tools.
+    by_subject: [u64; 4],
+    payload_bytes: u64,
+}
+
+fn base_config(url: &str, args: &Args) -> Config {
+    let mut config = Config::default();
+    config.nats.servers = vec![url.to_owned()];
+    config.http.enabled = false;
+    config.shards.count = args.shards;
+    // Room for the idle-stream measurement (the default, 100,000 per replica, is split over the
+    // shards, and the hash does not split exactly evenly).
+    config.shards.max_streams = (args.idle_streams * 2).max(100_000);
+    config.service.shutdown_timeout_ms = 120_000;
+    config
+}
+
+fn build_workload(args: &Args, config: &Config) -> Result<Workload> {
+    let mut payloads = Vec::new();
+    let mut stream_of = Vec::new();
+    let mut first = Vec::with_capacity(args.streams);
+    let mut stream_ids = Vec::with_capacity(args.streams);
+    let mut payload_bytes = 0u64;
+    for s in 0..args.streams {
+        let (id, events) = stream_events(1, s, args.events_per_stream, args.cumulative);
+        debug_assert_eq!(stream_of_id(&id), Some(s));
+        stream_ids.push(id);
+        first.push((payloads.len() as u32, events.len() as u32));
+        for e in events {
+            payload_bytes += e.len() as u64;
+            payloads.push(Bytes::from(e));
+            stream_of.push(s as u32);
+        }
+        if payload_bytes > 4 << 30 {
+            bail!("the workload would exceed 4 GiB of payloads: use fewer streams or events, or --no-completion");
+        }
+    }
+    // Round-robin over a shuffled stream order.
+    let mut rng = Rng(42);
+    let mut streams: Vec<usize> = (0..args.streams).collect();
+    for i in (1..streams.len()).rev() {
+        streams.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut order = Vec::with_capacity(payloads.len());
+    let longest = first.iter().map(|(_, n)| *n).max().unwrap_or(0);
+    for round in 0..longest {
+        for &s in &streams {
+            let (start, n) = first[s];
+            if round < n {
+                order.push(start + round);
+            }
+        }
+    }
+
+    // The service's outputs, predicted by the same processing.
+    let registry = config.load_schemas()?;
+    let (pipeline, encoder) = config.processing(&registry)?;
+    let limits = TableLimits {
+        idle_timeout: Duration::MAX,
+        max_streams: usize::MAX,
+        finished_memory: config.shards.finished_memory,
+    };
+    let mut table = StreamTable::new(pipeline, encoder, limits);
+    let mut seq_event: Vec<Vec<u32>> = vec![Vec::new(); args.streams];
+    let mut expected_after = Vec::with_capacity(order.len());
+    let mut total = 0u64;
+    let mut by_subject = [0u64; 4];
+    let now = Instant::now();
+    let (filtered, tools, thinking) =
+        (&config.output.subjects.filtered, &config.output.subjects.tools, &config.output.subjects.thinking);
+    for &g in &order {
+        let event = decode(&payloads[g as usize], config.input.max_event_bytes)
+            .map_err(|e| anyhow!("generated event {g} does not decode: {e}"))?;
+        let s = stream_of[g as usize] as usize;
+        let mut bad = None;
+        table.apply(
+            &event,
+            None,
+            now,
+            &mut |p| {
+                let seq: u64 = p.msg_id.rsplit_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(0);
+                if seq != seq_event[s].len() as u64 + 1 {
+                    bad = Some(p.msg_id.clone());
+                }
+                seq_event[s].push(g);
+                let family = match p.subject.as_ref() {
+                    x if x == filtered.as_str() => 0,
+                    x if x == thinking.as_str() => 2,
+                    x if x == tools.as_str() => 3,
+                    _ => 1,
+                };
+                by_subject[family] += 1;
+                total += 1;
+            },
+            &mut |_| {},
+        );
+        if let Some(id) = bad {
+            bail!("unexpected output numbering: {id}");
+        }
+        expected_after.push(total);
+    }
+    let mut output_offset = Vec::with_capacity(args.streams);
+    let mut acc = 0u64;
+    for seqs in &seq_event {
+        output_offset.push(acc);
+        acc += seqs.len() as u64;
+    }
+    Ok(Workload {
+        payloads,
+        order,
+        stream_ids,
+        seq_event,
+        output_offset,
+        expected_after,
+        expected_outputs: total,
+        by_subject,
+        payload_bytes,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// nats-server.
+
+struct NatsServer {
+    child: Child,
+    url: String,
+    _store: Option<tempfile::TempDir>,
+}
+
+fn find_nats_server() -> Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("NATS_SERVER_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let candidate = dir.join("nats-server");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    let debian = PathBuf::from("/usr/sbin/nats-server");
+    if debian.is_file() {
+        return Ok(debian);
+    }
+    bail!("nats-server not found: install it (apt-get install nats-server) or set NATS_SERVER_BIN")
+}
+
+impl NatsServer {
+    fn start(jetstream: bool) -> Result<NatsServer> {
+        let bin = find_nats_server()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut cmd = Command::new(&bin);
+        cmd.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+        let store = if jetstream {
+            let dir = tempfile::tempdir()?;
+            cmd.arg("-js").arg("-sd").arg(dir.path());
+            Some(dir)
+        } else {
+            None
+        };
+        cmd.stdout(Stdio::null()).stderr(Stdio::null()).stdin(Stdio::null());
+        let child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
+        let _ = SERVER_PID.set(child.id());
+        let server = NatsServer { child, url: format!("nats://127.0.0.1:{port}"), _store: store };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("nats-server did not listen on 127.0.0.1:{port} within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64
+}
+
+fn loadavg() -> String {
+    let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+static LOAD_AT_START: OnceLock<String> = OnceLock::new();
+
+/// CPU time (user + system) in microseconds of a `/proc/.../stat` line.
+fn stat_cpu_us(stat: &str) -> (String, u64) {
+    // The name is in parentheses and may contain spaces; the fields after it are space separated.
+    let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { return (String::new(), 0) };
+    let name = stat[open + 1..close].to_owned();
+    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name and state.
+    let ticks: u64 = [11, 12].iter().filter_map(|i| fields.get(*i)?.parse::<u64>().ok()).sum();
+    // Linux reports clock ticks of 1/100 s (USER_HZ) on every common configuration.
+    (name, ticks * 10_000)
+}
+
+/// CPU time of this process's tokio worker threads, in microseconds.
+fn workers_cpu_us() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+        .map(|stat| stat_cpu_us(&stat))
+        .filter(|(name, _)| name.starts_with("tokio-rt-worker"))
+        .map(|(_, us)| us)
+        .sum()
+}
+
+/// CPU time of the calling thread, in microseconds.
+fn this_thread_cpu_us() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat").map_or(0, |s| stat_cpu_us(&s).1)
+}
+
+static SERVER_PID: OnceLock<u32> = OnceLock::new();
+
+/// CPU time of the nats-server process, in microseconds.
+fn server_cpu_us() -> u64 {
+    SERVER_PID
+        .get()
+        .and_then(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .map_or(0, |s| stat_cpu_us(&s).1)
+}
+
+fn proc_status_kib(key: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+/// Waits until the server has processed everything this client sent before (SUB included).
+async fn round_trip(client: &async_nats::Client) {
+    let subject = format!("_BENCH.fence.{}", client.new_inbox().rsplit('.').next().unwrap_or("x"));
+    let _ = tokio::time::timeout(Duration::from_secs(5), client.request(subject, Bytes::new())).await;
+}
+
+/// A client with the service's own connection settings, counting slow-consumer events.
+async fn connect(nats: &NatsConfig, name: &str, slow: Arc<AtomicU64>) -> Result<async_nats::Client> {
+    let mut cfg = nats.clone();
+    cfg.client_name = name.to_owned();
+    bus::connect(&cfg, move |e| {
+        if matches!(e, ConnectionEvent::SlowConsumer { .. }) {
+            slow.fetch_add(1, Ordering::Relaxed);
+        }
+    })
+    .await
+    .map_err(|e| anyhow!("{name}: {e}"))
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Percentiles {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    max: f64,
+}
+
+/// Percentiles in microseconds.
+fn percentiles(samples: &mut [u64]) -> Percentiles {
+    if samples.is_empty() {
+        return Percentiles::default();
+    }
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+        samples[i] as f64 / 1000.0
+    };
+    Percentiles { p50: at(0.50), p99: at(0.99), p999: at(0.999), max: samples[samples.len() - 1] as f64 / 1000.0 }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Systems under test.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum System {
+    Relay,
+    Service,
+}
+
+const INPUT_SUBJECT: &str = "chat";
+const RELAY_OUT: &str = "relay.out";
+const EVENT_HEADER: &str = "Bench-Event";
+/// The JetStream stream both systems consume in `--mode jetstream`.
+const JS_STREAM: &str = "BENCH_CHAT";
+const JS_RELAY_CONSUMER: &str = "bench-relay";
+/// A phase stops when the producer has waited this long without any output arriving.
+const STALL: Duration = Duration::from_secs(10);
+
+enum Running {
+    Relay { task: tokio::task::JoinHandle<()>, stop: Arc<AtomicBool> },
+    Service(Box<RunningService>),
+}
+
+impl Running {
+    async fn stop(self) -> Result<()> {
+        match self {
+            Running::Relay { task, stop } => {
+                stop.store(true, Ordering::Relaxed);
+                task.abort();
+                let _ = task.await;
+                Ok(())
+            }
+            Running::Service(service) => service.shutdown().await.map_err(|e| anyhow!("service shutdown: {e}")),
+        }
+    }
+
+    fn service(&self) -> Option<&RunningService> {
+        match self {
+            Running::Service(s) => Some(s),
+            Running::Relay { .. } => None,
+        }
+    }
+}
+
+/// JetStream mode: both systems consume the same fresh stream over `chat`; the service creates
+/// it from its configuration, the relay here.
+fn jetstream_config(config: &mut Config, workload_events: usize, ack_pending: Option<i64>) {
+    config.jetstream.enabled = true;
+    config.jetstream.stream = JS_STREAM.into();
+    config.jetstream.create_stream = true;
+    config.jetstream.consumer_prefix = "bench-sink".into();
+    // The service holds a stream's acks until the stream ends, so every event of every open stream
+    // is pending: the limit must cover all of them or delivery stalls (see the report).
+    config.jetstream.max_ack_pending =
+        ack_pending.unwrap_or((workload_events as i64 + 10_000).max(config.jetstream.max_ack_pending));
+}
+
+async fn delete_js_stream(admin: &async_nats::Client) {
+    let js = async_nats::jetstream::new(admin.clone());
+    let _ = js.delete_stream(JS_STREAM).await;
+}
+
+async fn start_system(system: System, mode: Mode, config: &Config, admin: &async_nats::Client) -> Result<Running> {
+    if mode == Mode::JetStream {
+        delete_js_stream(admin).await;
+    }
+    match system {
+        System::Service => {
+            let service = RunningService::start(config.clone()).await.map_err(|e| anyhow!("service start: {e}"))?;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !service.is_ready() {
+                if Instant::now() > deadline {
+                    bail!("service not ready within 10 s");
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Ok(Running::Service(Box::new(service)))
+        }
+        System::Relay => {
+            let client = connect(&config.nats, "bench-relay", Arc::new(AtomicU64::new(0))).await?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let task = match mode {
+                Mode::Core => {
+                    let mut sub = client.subscribe(INPUT_SUBJECT).await?;
+                    round_trip(&client).await;
+                    let stop = stop.clone();
+                    tokio::spawn(async move {
+                        while let Some(m) = sub.next().await {
+                            if stop.load(Ordering::Relaxed) {
+                                break;
+                            }
+                            let _ =
+                                client.publish_with_headers(RELAY_OUT, m.headers.unwrap_or_default(), m.payload).await;
+                        }
+                    })
+                }
+                Mode::JetStream => {
+                    use async_nats::jetstream::{self, consumer::pull, stream};
+                    let js = jetstream::new(client.clone());
+                    let st = js
+                        .get_or_create_stream(stream::Config {
+                            name: JS_STREAM.into(),
+                            subjects: vec![INPUT_SUBJECT.into()],
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|e| anyhow!("relay stream: {e}"))?;
+                    let consumer = st
+                        .create_consumer(pull::Config {
+                            durable_name: Some(JS_RELAY_CONSUMER.into()),
+                            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                            max_ack_pending: config.jetstream.max_ack_pending,
+                            ack_wait: Duration::from_millis(config.jetstream.ack_wait_ms),
+                            ..Default::default()
+                        })
+                        .await
+                        .map_err(|e| anyhow!("relay consumer: {e}"))?;
+                    let mut messages = consumer.messages().await.map_err(|e| anyhow!("relay consumer: {e}"))?;
+                    let stop = stop.clone();
+                    tokio::spawn(async move {
+                        while let Some(m) = messages.next().await {
+                            if stop.load(Ordering::Relaxed) {
+                                break;
+                            }
+                            let Ok(m) = m else { continue };
+                            let headers = m.message.headers.clone().unwrap_or_default();
+                            let _ = client.publish_with_headers(RELAY_OUT, headers, m.message.payload.clone()).await;
+                            let _ = m.ack().await;
+                        }
+                    })
+                }
+            };
+            Ok(Running::Relay { task, stop })
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One phase: publish the workload through a system and collect every output.
+
+#[derive(Debug, Clone, Default)]
+struct PhaseResult {
+    label: String,
+    events: u64,
+    expected: u64,
+    received: u64,
+    missing: u64,
+    duplicates: u64,
+    unexpected: u64,
+    dead_letters: u64,
+    elapsed: f64,
+    publish_elapsed: f64,
+    in_rate: f64,
+    out_rate: f64,
+    target_rate: Option<f64>,
+    max_lag_ms: f64,
+    latency: Percentiles,
+    slow_consumers: u64,
+    service_received: Option<u64>,
+    service_published: Option<u64>,
+    inbox_full: Option<u64>,
+    rss_after_mib: f64,
+    /// CPU µs per input event: tokio workers (the system under test and the subscriber), the
+    /// producer thread, nats-server.
+    cpu_per_event: [f64; 3],
+    timed_out: bool,
+}
+
+struct ProducerStats {
+    first_ns: u64,
+    last_ns: u64,
+    max_lag: Duration,
+    aborted: bool,
+    cpu_us: u64,
+}
+
+/// Publishes the workload from its own thread and client. `expected_after(k)` is the number of
+/// outputs the system will have produced once the first k+1 events are in; at most `window` of
+/// them may be outstanding. With `pace`, event k is due at start + k / pace.
+#[allow(clippy::too_many_arguments)]
+fn spawn_producer(
+    nats: NatsConfig,
+    workload: Arc<Workload>,
+    system: System,
+    window: u64,
+    pace: Option<f64>,
+    sent: Arc<Vec<AtomicU64>>,
+    received: Arc<AtomicU64>,
+    deadline: Instant,
+) -> std::thread::JoinHandle<Result<ProducerStats>> {
+    let spawned = std::thread::Builder::new().name("bench-producer".into()).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async move {
+            let client = connect(&nats, "bench-producer", Arc::new(AtomicU64::new(0))).await?;
+            let start = Instant::now();
+            let first_ns = now_ns();
+            let mut max_lag = Duration::ZERO;
+            let mut aborted = false;
+            for (k, &g) in workload.order.iter().enumerate() {
+                let expect = match system {
+                    System::Relay => k as u64 + 1,
+                    System::Service => workload.expected_after[k],
+                };
+                if expect > received.load(Ordering::Acquire) + window {
+                    client.flush().await?;
+                    // Stop early when nothing arrives for 10 s (a stalled system).
+                    let (mut seen, mut since) = (received.load(Ordering::Acquire), Instant::now());
+                    while expect > seen + window && Instant::now() < deadline && since.elapsed() < STALL {
+                        std::thread::sleep(Duration::from_micros(100));
+                        let now_seen = received.load(Ordering::Acquire);
+                        if now_seen != seen {
+                            (seen, since) = (now_seen, Instant::now());
+                        }
+                    }
+                    if since.elapsed() >= STALL {
+                        eprintln!("  no output for {} s: stopping this phase", STALL.as_secs());
+                        aborted = true;
+                        break;
+                    }
+                }
+                if Instant::now() >= deadline {
+                    aborted = true;
+                    break;
+                }
+                if let Some(rate) = pace {
+                    let due = start + Duration::from_secs_f64(k as f64 / rate);
+                    let now = Instant::now();
+                    if due > now + Duration::from_micros(20) {
+                        // Ahead of schedule: send what is queued, then sleep (a thread sleep is far
+                        // finer than tokio's 1 ms timer).
+                        client.flush().await?;
+                        let now = Instant::now();
+                        if due > now {
+                            std::thread::sleep(due - now);
+                        }
+                    } else if now > due {
+                        max_lag = max_lag.max(now - due);
+                    }
+                }
+                let mut headers = HeaderMap::new();
+                headers.insert(EVENT_HEADER, g.to_string().as_str());
+                sent[g as usize].store(now_ns(), Ordering::Release);
+                client.publish_with_headers(INPUT_SUBJECT, headers, workload.payloads[g as usize].clone()).await?;
+            }
+            client.flush().await?;
+            let last_ns = now_ns();
+            Ok(ProducerStats { first_ns, last_ns, max_lag, aborted, cpu_us: this_thread_cpu_us() })
+        })
+    });
+    spawned.expect("the producer thread starts")
+}
+
+struct Collected {
+    latencies: Vec<u64>,
+    last_ns: u64,
+    valid: u64,
+    duplicates: u64,
+    unexpected: u64,
+    dead_letters: u64,
+    timed_out: bool,
+}
+
+/// Counts outputs until every expected one is in, or the deadline, or 3 s without progress after
+/// the producer finished.
+#[allow(clippy::too_many_arguments)]
+async fn collect(
+    mut sub: async_nats::Subscriber,
+    system: System,
+    workload: Arc<Workload>,
+    sent: Arc<Vec<AtomicU64>>,
+    received: Arc<AtomicU64>,
+    producer_done: Arc<AtomicBool>,
+    expected: u64,
+    deadline: Instant,
+) -> Collected {
+    let mut seen = vec![false; expected as usize];
+    let mut c = Collected {
+        latencies: Vec::with_capacity(expected as usize),
+        last_ns: 0,
+        valid: 0,
+        duplicates: 0,
+        unexpected: 0,
+        dead_letters: 0,
+        timed_out: false,
+    };
+    let mut last_progress = Instant::now();
+    while c.valid < expected {
+        let now = Instant::now();
+        if now > deadline || (producer_done.load(Ordering::Acquire) && now - last_progress > Duration::from_secs(3)) {
+            c.timed_out = true;
+            break;
+        }
+        let message = match tokio::time::timeout(Duration::from_millis(200), sub.next()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(_) => continue,
+        };
+        let at = now_ns();
+        last_progress = Instant::now();
+        received.fetch_add(1, Ordering::Release);
+        if message.subject.as_str().ends_with(".dlq") {
+            c.dead_letters += 1;
+            continue;
+        }
+        let slot = match system {
+            System::Relay => message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(EVENT_HEADER))
+                .and_then(|v| v.as_str().parse::<u64>().ok())
+                .filter(|g| *g < expected)
+                .map(|g| (g, g)),
+            System::Service => {
+                message.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)).and_then(|v| {
+                    let (id, seq) = v.as_str().rsplit_once(':')?;
+                    let s = stream_of_id(id).filter(|s| workload.stream_ids.get(*s).is_some_and(|x| x == id))?;
+                    let seq: usize = seq.parse().ok()?;
+                    let g = *workload.seq_event[s].get(seq.checked_sub(1)?)?;
+                    Some((workload.output_offset[s] + seq as u64 - 1, u64::from(g)))
+                })
+            }
+        };
+        let Some((slot, g)) = slot else {
+            c.unexpected += 1;
+            continue;
+        };
+        if std::mem::replace(&mut seen[slot as usize], true) {
+            c.duplicates += 1;
+            continue;
+        }
+        c.valid += 1;
+        c.last_ns = at;
+        let t = sent[g as usize].load(Ordering::Acquire);
+        if t > 0 && at >= t {
+            c.latencies.push(at - t);
+        }
+    }
+    c
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn run_phase(
+    label: &str,
+    system: System,
+    args: &Args,
+    config: &Config,
+    workload: &Arc<Workload>,
+    pace: Option<f64>,
+    subscriber: &async_nats::Client,
+    admin: &async_nats::Client,
+    slow: &Arc<AtomicU64>,
+) -> Result<PhaseResult> {
+    let running = start_system(system, args.mode, config, admin).await?;
+    let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
+    let out_subject = match system {
+        System::Relay => RELAY_OUT.to_owned(),
+        System::Service => format!("{INPUT_SUBJECT}.>"),
+    };
+    let sub = subscriber.subscribe(out_subject).await?;
+    round_trip(subscriber).await;
+
+    let events = workload.order.len() as u64;
+    let expected = match system {
+        System::Relay => events,
+        System::Service => workload.expected_outputs,
+    };
+    // Generous but bounded: 60 s plus 50 µs per event.
+    let deadline = Instant::now() + Duration::from_secs(60) + Duration::from_micros(50 * events);
+    let sent: Arc<Vec<AtomicU64>> = Arc::new((0..events).map(|_| AtomicU64::new(0)).collect());
+    let received = Arc::new(AtomicU64::new(0));
+    let producer_done = Arc::new(AtomicBool::new(false));
+    let slow_before = slow.load(Ordering::Relaxed);
+
+    let collector = tokio::spawn(collect(
+        sub,
+        system,
+        workload.clone(),
+        sent.clone(),
+        received.clone(),
+        producer_done.clone(),
+        expected,
+        deadline,
+    ));
+    let producer = spawn_producer(
+        config.nats.clone(),
+        workload.clone(),
+        system,
+        args.window,
+        pace,
+        sent.clone(),
+        received.clone(),
+        deadline,
+    );
+    let stats =
+        tokio::task::spawn_blocking(move || producer.join()).await?.map_err(|_| anyhow!("producer panicked"))??;
+    producer_done.store(true, Ordering::Release);
+    let mut collected = collector.await?;
+
+    let per_event = |us: u64| us as f64 / events.max(1) as f64;
+    let cpu_per_event = [
+        per_event(workers_cpu_us().saturating_sub(workers_before)),
+        per_event(stats.cpu_us),
+        per_event(server_cpu_us().saturating_sub(server_before)),
+    ];
+    let snapshot = running.service().map(|s| s.metrics().snapshot());
+    running.stop().await?;
+
+    let elapsed = (collected.last_ns.saturating_sub(stats.first_ns)) as f64 / 1e9;
+    let publish_elapsed = (stats.last_ns.saturating_sub(stats.first_ns)) as f64 / 1e9;
+    Ok(PhaseResult {
+        label: label.to_owned(),
+        events,
+        expected,
+        received: collected.valid,
+        missing: expected - collected.valid,
+        duplicates: collected.duplicates,
+        unexpected: collected.unexpected,
+        dead_letters: collected.dead_letters,
+        elapsed,
+        publish_elapsed,
+        in_rate: events as f64 / elapsed.max(1e-9),
+        out_rate: collected.valid as f64 / elapsed.max(1e-9),
+        target_rate: pace,
+        max_lag_ms: stats.max_lag.as_secs_f64() * 1e3,
+        latency: percentiles(&mut collected.latencies),
+        slow_consumers: slow.load(Ordering::Relaxed) - slow_before,
+        service_received: snapshot.as_ref().map(|s| s.events_received),
+        service_published: snapshot.as_ref().map(|s| s.messages_published_total()),
+        inbox_full: snapshot.as_ref().map(|s| s.shard_inbox_full),
+        rss_after_mib: mib(proc_status_kib("VmRSS:")),
+        cpu_per_event,
+        timed_out: collected.timed_out || stats.aborted,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Idle streams: memory per open stream.
+
+#[derive(Debug, Clone, Default)]
+struct MemoryResult {
+    streams: u64,
+    open: u64,
+    rss_before_kib: u64,
+    rss_after_kib: u64,
+    seconds: f64,
+}
+
+async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) -> Result<MemoryResult> {
+    let n = args.idle_streams;
+    let running = start_system(System::Service, Mode::Core, config, admin).await?;
+    let service = running.service().expect("a service");
+    let producer = connect(&config.nats, "bench-idle-producer", Arc::new(AtomicU64::new(0))).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rss_before_kib = proc_status_kib("VmRSS:");
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(180);
+    let batch = 5_000;
+    let mut published = 0u64;
+    for i in 0..n {
+        let mid = message_id(0x1d1e, i);
+        let json =
+            format!(r#"{{"type":"partial","meta":{},"delta":"Let me","completion":"Let me"}}"#, legacy_meta(&mid, i));
+        producer.publish(INPUT_SUBJECT, Bytes::from(json)).await?;
+        published += 1;
+        if published % batch == 0 {
+            // Keep the service's subscription buffer far from full.
+            producer.flush().await?;
+            while service.metrics().snapshot().events_received + 2 * batch < published {
+                if Instant::now() > deadline {
+                    bail!("idle streams: the service fell behind for 180 s");
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    }
+    producer.flush().await?;
+    let mut open = 0;
+    while Instant::now() < deadline {
+        open = service.metrics().snapshot().streams_open;
+        if open >= n as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rss_after_kib = proc_status_kib("VmRSS:");
+    let seconds = start.elapsed().as_secs_f64();
+    running.stop().await?;
+    Ok(MemoryResult { streams: n as u64, open, rss_before_kib, rss_after_kib, seconds })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Report.
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, usize::from);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_owned()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:").and_then(|r| r.trim().trim_end_matches("kB").trim().parse().ok()))
+        .unwrap_or(0u64);
+    format!("{cpus} CPUs ({model}), {:.0} GiB, Linux {}", mem_kib as f64 / 1048576.0, kernel.trim())
+}
+
+fn fmt_rate(r: f64) -> String {
+    if r.is_nan() {
+        return "not measured".into();
+    }
+    if r >= 1e6 {
+        format!("{:.2} M/s", r / 1e6)
+    } else {
+        format!("{:.1} k/s", r / 1e3)
+    }
+}
+
+impl PhaseResult {
+    /// Every expected output arrived exactly once, nothing else, in time.
+    fn complete(&self) -> bool {
+        self.missing == 0 && self.duplicates == 0 && self.unexpected == 0 && self.dead_letters == 0 && !self.timed_out
+    }
+}
+
+fn row(out: &mut String, p: &PhaseResult) {
+    let rate = |r: f64| if p.complete() { fmt_rate(r) } else { "– (incomplete)".to_owned() };
+    let check = if p.complete() {
+        "ok".to_owned()
+    } else {
+        format!(
+            "**{} missing, {} dup, {} unexpected, {} dlq{}**",
+            p.missing,
+            p.duplicates,
+            p.unexpected,
+            p.dead_letters,
+            if p.timed_out { ", timed out" } else { "" }
+        )
+    };
+    let _ = writeln!(
+        out,
+        "| {} | {} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {}/{} {} |",
+        p.label,
+        rate(p.in_rate),
+        rate(p.out_rate),
+        p.elapsed,
+        p.latency.p50,
+        p.latency.p99,
+        p.latency.p999,
+        p.latency.max,
+        p.received,
+        p.expected,
+        check
+    );
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn report(
+    args: &Args,
+    server_version: &str,
+    workload: &Workload,
+    memory: Option<&MemoryResult>,
+    max: &[(PhaseResult, PhaseResult)],
+    half: &[PhaseResult],
+    wall: f64,
+    peak_kib: u64,
+    js_ack_pending: i64,
+) -> (String, bool) {
+    let mut out = String::new();
+    let mode = match args.mode {
+        Mode::Core => "core NATS",
+        Mode::JetStream => "JetStream (explicit acks)",
+    };
+    let events = workload.order.len();
+    let _ = writeln!(out, "## End-to-end: structured-sink against a relay, {mode}\n");
+    let _ = writeln!(
+        out,
+        "Machine: {}. nats-server {server_version} on 127.0.0.1; producer, service (or relay), subscriber and \
+         server share the machine. Release build.\n",
+        machine()
+    );
+    let [f, b, t, tl] = workload.by_subject;
+    let _ = writeln!(
+        out,
+        "Workload: {} streams × ~{} events = {} events, mean {} B/event ({}cumulative `completion`/`text`), \
+         published round-robin over the streams to `{INPUT_SUBJECT}` with a `{EVENT_HEADER}` header; the service \
+         emits {} outputs ({:.2} per event: {f} filtered, {b} block, {t} thinking, {tl} tool). Service: {} shards, \
+         default configuration otherwise. Max rate: closed loop, at most {} outputs outstanding. Command: `cargo \
+         bench --bench e2e -- {}`. Wall time {:.0} s; load average {} at the start, {} at the end (2 cores: \
+         above 2 means other work was competing).\n",
+        args.streams,
+        args.events_per_stream,
+        events,
+        workload.payload_bytes / events.max(1) as u64,
+        if args.cumulative { "with " } else { "no " },
+        workload.expected_outputs,
+        workload.expected_outputs as f64 / events.max(1) as f64,
+        args.shards,
+        args.window,
+        std::env::args().skip(1).filter(|a| a != "--bench").collect::<Vec<_>>().join(" "),
+        wall,
+        LOAD_AT_START.get().map_or("?", String::as_str),
+        loadavg()
+    );
+
+    if args.mode == Mode::JetStream {
+        let _ = writeln!(
+            out,
+            "JetStream: a fresh stream `{JS_STREAM}` (file storage) over `{INPUT_SUBJECT}` per phase; the producer \
+             publishes with core NATS (no publish acks). Service: `jetstream.enabled`, one durable pull consumer, \
+             explicit acks held until each stream ends, `jetstream.max_ack_pending` = {js_ack_pending}. Relay: a durable \
+             pull consumer with the same limit that republishes each message and then acks it.\n"
+        );
+    }
+    let header =
+        "| phase | events in | outputs out | seconds | p50 µs | p99 µs | p99.9 µs | max µs | outputs received |\n\
+                  |---|---|---|---|---|---|---|---|---|";
+    let _ = writeln!(out, "### Maximum rate\n\n{header}");
+    for (relay, service) in max {
+        row(&mut out, relay);
+        row(&mut out, service);
+    }
+    // Complete phases only: the rate of a phase that stalled means nothing.
+    let relay_in = median(max.iter().filter(|(r, _)| r.complete()).map(|(r, _)| r.in_rate).collect());
+    let service_in = median(max.iter().filter(|(_, s)| s.complete()).map(|(_, s)| s.in_rate).collect());
+    let ratio = service_in / relay_in.max(1e-9);
+    let _ = writeln!(
+        out,
+        "\n**Throughput ratio service / relay (events in/s{}): {:.2}** ({} against {}).\n",
+        if max.len() > 1 { ", medians" } else { "" },
+        ratio,
+        fmt_rate(service_in),
+        fmt_rate(relay_in)
+    );
+    let cpu = |f: fn(&(PhaseResult, PhaseResult)) -> &PhaseResult, i: usize| {
+        median(max.iter().filter(|x| f(x).complete()).map(|x| f(x).cpu_per_event[i]).collect())
+    };
+    let (service_cpu, relay_cpu) = (cpu(|x| &x.1, 0), cpu(|x| &x.0, 0));
+    let _ = writeln!(
+        out,
+        "CPU per input event in the tokio workers (the system under test plus the subscriber) at maximum rate: \
+         {service_cpu:.1} µs for the service against {relay_cpu:.1} µs for the relay ({:.2} ×); nats-server: {:.1} \
+         against {:.1} µs; producer: {:.1} against {:.1} µs.\n",
+        service_cpu / relay_cpu.max(1e-9),
+        cpu(|x| &x.1, 2),
+        cpu(|x| &x.0, 2),
+        cpu(|x| &x.1, 1),
+        cpu(|x| &x.0, 1),
+    );
+    let _ = writeln!(
+        out,
+        "Latency at maximum rate is mostly time spent queued in the window, not a property of either system.\n"
+    );
+
+    let mut p99_service = f64::NAN;
+    if half.is_empty() {
+        let _ = writeln!(
+            out,
+            "### Latency
+
+Not measured: the service did not complete a maximum-rate phase.\n"
+        );
+    }
+    if let [service, relay] = half {
+        let _ = writeln!(
+            out,
+            "### Latency at {} ({} events/s, paced)\n\n{header}",
+            if args.rate.is_some() { "a fixed rate (--rate)" } else { "half the service's maximum rate" },
+            service.target_rate.unwrap_or(0.0).round()
+        );
+        row(&mut out, service);
+        row(&mut out, relay);
+        let l = |f: fn(&Percentiles) -> f64| (f(&service.latency), f(&relay.latency));
+        let (s50, r50) = l(|p| p.p50);
+        let (s99, r99) = l(|p| p.p99);
+        let (s999, r999) = l(|p| p.p999);
+        if service.complete() {
+            p99_service = s99;
+        }
+        let _ = writeln!(
+            out,
+            "\n| latency | service | relay | ratio service / relay | added by the service |\n|---|---|---|---|---|\n\
+             | p50 | {s50:.0} µs | {r50:.0} µs | {:.2} | {:.0} µs |\n| p99 | {s99:.0} µs | {r99:.0} µs | {:.2} | {:.0} µs |\n\
+             | p99.9 | {s999:.0} µs | {r999:.0} µs | {:.2} | {:.0} µs |\n",
+            s50 / r50.max(1e-9),
+            s50 - r50,
+            s99 / r99.max(1e-9),
+            s99 - r99,
+            s999 / r999.max(1e-9),
+            s999 - r999,
+        );
+        let _ = writeln!(
+            out,
+            "Latency: producer publish (just before `publish`) to the subscriber's receive, through two NATS hops \
+             either way. Producer lag behind schedule at most {:.1} ms (service) and {:.1} ms (relay).\n",
+            service.max_lag_ms, relay.max_lag_ms
+        );
+    }
+
+    let _ = writeln!(
+        out,
+        "### CPU, counters and memory per phase\n\nCPU time per input event from /proc (10 ms ticks), less sensitive \
+         to other load on the machine than rates are.\n"
+    );
+    let _ = writeln!(
+        out,
+        "| phase | CPU µs/event: tokio workers (system + subscriber) | producer | nats-server | producer publish rate | service events received | service messages published | shard inbox waits | slow consumer events (subscriber) | process VmRSS after |\n|---|---|---|---|---|---|---|---|---|---|"
+    );
+    for p in max.iter().flat_map(|(r, s)| [r, s]).chain(half.iter()) {
+        let opt = |v: Option<u64>| v.map_or("–".to_owned(), |v| v.to_string());
+        let _ = writeln!(
+            out,
+            "| {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {:.0} MiB |",
+            p.label,
+            p.cpu_per_event[0],
+            p.cpu_per_event[1],
+            p.cpu_per_event[2],
+            fmt_rate(p.events as f64 / p.publish_elapsed.max(1e-9)),
+            opt(p.service_received),
+            opt(p.service_published),
+            opt(p.inbox_full),
+            p.slow_consumers,
+            p.rss_after_mib
+        );
+    }
+
+    let mut per_10k_mib = f64::NAN;
+    if let Some(m) = memory {
+        let delta = m.rss_after_kib.saturating_sub(m.rss_before_kib);
+        per_10k_mib = mib(delta) * 10_000.0 / m.streams.max(1) as f64;
+        let _ = writeln!(
+            out,
+            "\n### Open idle streams\n\n{} streams, one 6-byte delta each and no final (streams_open reached {} in \
+             {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
+             per 10,000 streams | per stream | projected for 100,000 |\n|---|---|---|---|---|---|\n| {:.1} MiB | {:.1} \
+             MiB | {:.1} MiB | {:.2} MiB | {:.0} B | {:.0} MiB |\n",
+            m.streams,
+            m.open,
+            m.seconds,
+            mib(m.rss_before_kib),
+            mib(m.rss_after_kib),
+            mib(delta),
+            per_10k_mib,
+            delta as f64 * 1024.0 / m.streams.max(1) as f64,
+            per_10k_mib * 10.0
+        );
+    }
+    let _ = writeln!(
+        out,
+        "Peak RSS (VmHWM) of the whole bench process: {:.0} MiB; it includes the pre-generated workload ({:.0} MiB \
+         of payloads, plus per-event bookkeeping) and the subscriber's buffers, not only the service.\n",
+        mib(peak_kib),
+        workload.payload_bytes as f64 / 1048576.0
+    );
+
+    let js = args.mode == Mode::JetStream;
+    let _ = writeln!(out, "### Targets (issue 6)\n\n| target | measured | met |\n|---|---|---|");
+    let yes = |b: bool| if b { "yes" } else { "**no** (or not measured)" };
+    if js {
+        let _ = writeln!(
+            out,
+            "| JetStream, explicit acks: ≥ 150,000 events/s | {} | {} |",
+            fmt_rate(service_in),
+            yes(service_in >= 150_000.0)
+        );
+    } else {
+        let _ = writeln!(out, "| events/s ≥ 0.8 × relay, same run | {ratio:.2} × | {} |", yes(ratio >= 0.8));
+    }
+    let _ = writeln!(
+        out,
+        "| added latency p99 ≤ 1 ms at half the max rate (end to end through the service) | {p99_service:.0} µs | {} |",
+        yes(p99_service <= 1000.0)
+    );
+    if memory.is_some() {
+        let projected = per_10k_mib * 10.0;
+        let _ = writeln!(
+            out,
+            "| 100,000 open idle streams ≤ 200 MiB RSS | {projected:.0} MiB (projected from the growth) | {} |",
+            yes(projected <= 200.0)
+        );
+    }
+    let complete = max.iter().flat_map(|(r, s)| [r, s]).chain(half.iter()).all(PhaseResult::complete);
+    if !complete {
+        let _ = writeln!(out, "\n**Some phase lost, duplicated or dead-lettered outputs, or timed out: see above.**");
+    }
+    (out, complete)
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() -> Result<()> {
+    let _ = epoch();
+    let _ = LOAD_AT_START.set(loadavg());
+    let args = parse_args()?;
+    let wall = Instant::now();
+    let server = NatsServer::start(args.mode == Mode::JetStream)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let result = rt.block_on(run(&args, &server.url, wall));
+    drop(rt);
+    drop(server);
+    let complete = result?;
+    if !complete && args.smoke {
+        bail!("smoke run incomplete");
+    }
+    Ok(())
+}
+
+async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
+    let mut config = base_config(url, args);
+    let slow = Arc::new(AtomicU64::new(0));
+    let subscriber = connect(&config.nats, "bench-subscriber", slow.clone()).await?;
+    let admin = connect(&config.nats, "bench-admin", Arc::new(AtomicU64::new(0))).await?;
+    let server_version = subscriber.server_info().version.clone();
+    eprintln!(
+        "nats-server {server_version} at {url}; mode {:?}; {} streams × {} events",
+        args.mode, args.streams, args.events_per_stream
+    );
+
+    // Idle streams first, before the workload exists (freed memory would hide the growth).
+    let memory = if args.mode == Mode::Core && args.idle_streams > 0 {
+        eprintln!("idle streams: opening {} ...", args.idle_streams);
+        let m = idle_streams(args, &config, &admin).await?;
+        eprintln!(
+            "idle streams: {} open, VmRSS {:.1} -> {:.1} MiB",
+            m.open,
+            mib(m.rss_before_kib),
+            mib(m.rss_after_kib)
+        );
+        Some(m)
+    } else {
+        None
+    };
+
+    eprintln!("generating the workload and predicting the service's outputs ...");
+    let workload = Arc::new(build_workload(args, &config)?);
+    if args.mode == Mode::JetStream {
+        jetstream_config(&mut config, workload.order.len(), args.ack_pending);
+    }
+    eprintln!(
+        "{} events, {} MiB, {} expected outputs",
+        workload.order.len(),
+        workload.payload_bytes >> 20,
+        workload.expected_outputs
+    );
+
+    if args.profile_service {
+        for round in 1..=args.rounds {
+            let p = run_phase("service", System::Service, args, &config, &workload, None, &subscriber, &admin, &slow)
+                .await?;
+            eprintln!("round {round}: {:.0} events/s in, {}/{} outputs", p.in_rate, p.received, p.expected);
+        }
+        return Ok(true);
+    }
+
+    let mut max = Vec::new();
+    for round in 1..=args.rounds {
+        let suffix = if args.rounds > 1 { format!(" (round {round})") } else { String::new() };
+        let phase = |label: &str| format!("{label}{suffix}");
+        eprintln!("relay, max rate{suffix} ...");
+        let relay = run_phase(
+            &phase("relay, max rate"),
+            System::Relay,
+            args,
+            &config,
+            &workload,
+            None,
+            &subscriber,
+            &admin,
+            &slow,
+        )
+        .await?;
+        eprintln!("  {} events/s", relay.in_rate.round());
+        eprintln!("service, max rate{suffix} ...");
+        let service = run_phase(
+            &phase("structured-sink, max rate"),
+            System::Service,
+            args,
+            &config,
+            &workload,
+            None,
+            &subscriber,
+            &admin,
+            &slow,
+        )
+        .await?;
+        eprintln!("  {} events/s", service.in_rate.round());
+        max.push((relay, service));
+    }
+    let service_max = median(max.iter().filter(|(_, s)| s.complete()).map(|(_, s)| s.in_rate).collect());
+    let half_rate = args.rate.unwrap_or((service_max / 2.0).max(100.0));
+    if half_rate.is_nan() {
+        eprintln!("the service completed no maximum-rate phase: no latency phases");
+    }
+    let half = if half_rate.is_nan() {
+        Vec::new()
+    } else {
+        eprintln!("service and relay at {} events/s ...", half_rate.round());
+        let service_half = run_phase(
+            "structured-sink, half rate",
+            System::Service,
+            args,
+            &config,
+            &workload,
+            Some(half_rate),
+            &subscriber,
+            &admin,
+            &slow,
+        )
+        .await?;
+        let relay_half = run_phase(
+            "relay, same rate",
+            System::Relay,
+            args,
+            &config,
+            &workload,
+            Some(half_rate),
+            &subscriber,
+            &admin,
+            &slow,
+        )
+        .await?;
+        vec![service_half, relay_half]
+    };
+    if args.mode == Mode::JetStream {
+        delete_js_stream(&admin).await;
+    }
+    let peak = proc_status_kib("VmHWM:");
+    let (text, complete) = report(
+        args,
+        &server_version,
+        &workload,
+        memory.as_ref(),
+        &max,
+        &half,
+        wall.elapsed().as_secs_f64(),
+        peak,
+        config.jetstream.max_ack_pending,
+    );
+    println!("{text}");
+    Ok(complete)
+}
