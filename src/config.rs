@@ -111,7 +111,7 @@ pub fn default_tags() -> Vec<TagConfig> {
 }
 
 /// Where block types are declared.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SchemasConfig {
     /// Directories searched recursively for `.proto` files. Every message with the
@@ -119,6 +119,17 @@ pub struct SchemasConfig {
     /// converted into that message and published as `google.protobuf.Any`. The built-in types are
     /// always loaded. A schema error stops start-up naming the file and line.
     pub dirs: Vec<std::path::PathBuf>,
+    /// How deep messages may nest in a typed payload (the root message is level 1). A deeper
+    /// payload completes with `success=false` and is counted in
+    /// `blocks_failed_total{reason="too_deep"}`; it bounds the recursion a crafted payload
+    /// against a recursive message type can cause.
+    pub max_depth: usize,
+}
+
+impl Default for SchemasConfig {
+    fn default() -> Self {
+        SchemasConfig { dirs: Vec::new(), max_depth: crate::typed::MAX_NESTING_DEPTH }
+    }
 }
 
 /// What the service consumes.
@@ -196,6 +207,10 @@ pub struct PipelineConfig {
     pub cumulative_text: CumulativeText,
     /// Visible text retained per stream for `text`; beyond it the final reports `text_omitted`.
     pub max_text_bytes: usize,
+    /// Live-snapshot parse work allowed per payload byte received. An attempt that would exceed
+    /// it is skipped and counted in `snapshots_skipped_total`; 0 turns snapshots off. The final
+    /// value of a block never depends on it.
+    pub snapshot_budget: usize,
 }
 
 impl Default for PipelineConfig {
@@ -207,6 +222,7 @@ impl Default for PipelineConfig {
             unescape_text: limits.unescape_text,
             cumulative_text: limits.cumulative_text,
             max_text_bytes: limits.max_text_bytes,
+            snapshot_budget: limits.snapshot_budget,
         }
     }
 }
@@ -220,6 +236,7 @@ impl PipelineConfig {
             malformed: self.malformed,
             unescape_text: self.unescape_text,
             cumulative_text: self.cumulative_text,
+            snapshot_budget: self.snapshot_budget,
         }
     }
 }
@@ -586,6 +603,9 @@ impl Config {
         if self.pipeline.max_capture_bytes == 0 {
             return Err(ConfigError::invalid("pipeline.max_capture_bytes", "must be greater than 0"));
         }
+        if self.schemas.max_depth == 0 {
+            return Err(ConfigError::invalid("schemas.max_depth", "must be greater than 0"));
+        }
         if self.shards.inbox_capacity == 0 {
             return Err(ConfigError::invalid("shards.inbox_capacity", "must be greater than 0"));
         }
@@ -635,7 +655,9 @@ impl Config {
 
     /// Loads the block types declared in `schemas.dirs` (and the built-in ones).
     pub fn load_schemas(&self) -> Result<SchemaRegistry, ConfigError> {
-        SchemaRegistry::load(&self.schemas.dirs).map_err(|e| ConfigError::invalid("schemas.dirs", e.to_string()))
+        SchemaRegistry::load(&self.schemas.dirs)
+            .map(|registry| registry.with_max_depth(self.schemas.max_depth))
+            .map_err(|e| ConfigError::invalid("schemas.dirs", e.to_string()))
     }
 
     /// The configured tags plus every declared block type not configured explicitly.

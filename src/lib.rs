@@ -20,6 +20,8 @@ pub mod http;
 pub mod metrics;
 pub mod payload;
 pub mod pipeline;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod properties;
 pub mod replay;
 pub mod scanner;
 pub mod service;

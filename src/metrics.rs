@@ -167,6 +167,19 @@ label_enum! {
 }
 
 label_enum! {
+    /// Why a completed block failed (label `reason` of `blocks_failed_total`). Blocks that hit
+    /// their capture limit or never closed have their own counters.
+    BlockFailure, label = "reason" {
+        /// The payload is not valid YAML or JSON (after repair).
+        InvalidPayload => "invalid_payload",
+        /// The payload does not fit the block's declared message type.
+        SchemaMismatch => "schema_mismatch",
+        /// The payload nests messages deeper than `schemas.max_depth`.
+        TooDeep => "too_deep",
+    }
+}
+
+label_enum! {
     /// A NATS connection event (label `event` of `nats_connection_events_total`). The labels are
     /// exactly the strings of `bus::ConnectionEvent::kind()`, so
     /// `ConnectionEventKind::from_label(event.kind())` always succeeds.
@@ -275,6 +288,16 @@ const FINALS_DIVERGED: MetricDef = MetricDef {
 const TEXT_OVERFLOWS: MetricDef = MetricDef {
     name: "text_overflows_total",
     help: "Streams whose retained visible text outgrew pipeline.max_text_bytes.",
+    kind: MetricType::Counter,
+};
+const BLOCKS_FAILED: MetricDef = MetricDef {
+    name: "blocks_failed_total",
+    help: "Completed blocks whose payload could not be decoded or typed, by reason.",
+    kind: MetricType::Counter,
+};
+const SNAPSHOTS_SKIPPED: MetricDef = MetricDef {
+    name: "snapshots_skipped_total",
+    help: "Live-snapshot attempts skipped because they would exceed pipeline.snapshot_budget.",
     kind: MetricType::Counter,
 };
 const NATS_CONNECTION_EVENTS: MetricDef = MetricDef {
@@ -415,6 +438,10 @@ pub struct MetricsSnapshot {
     pub finals_diverged: u64,
     /// `text_overflows_total`.
     pub text_overflows: u64,
+    /// `blocks_failed_total` by [`BlockFailure`].
+    pub blocks_failed: BTreeMap<&'static str, u64>,
+    /// `snapshots_skipped_total`.
+    pub snapshots_skipped: u64,
     /// `nats_connection_events_total` by [`ConnectionEventKind`].
     pub nats_connection_events: BTreeMap<&'static str, u64>,
     /// `shard_inbox_full_total`.
@@ -464,6 +491,8 @@ pub struct Metrics {
     captures_unclosed: Counter,
     finals_diverged: Counter,
     text_overflows: Counter,
+    blocks_failed: CounterFamily<BlockFailure>,
+    snapshots_skipped: Counter,
     nats_connection_events: CounterFamily<ConnectionEventKind>,
     shard_inbox_full: Counter,
     event_latency: LatencyHistogram,
@@ -492,6 +521,8 @@ impl Metrics {
             captures_unclosed: Counter::default(),
             finals_diverged: Counter::default(),
             text_overflows: Counter::default(),
+            blocks_failed: CounterFamily::new(),
+            snapshots_skipped: Counter::default(),
             nats_connection_events: CounterFamily::new(),
             shard_inbox_full: Counter::default(),
             event_latency: LatencyHistogram::new(),
@@ -568,6 +599,16 @@ impl Metrics {
         self.text_overflows.add(n);
     }
 
+    /// Counts `n` completed blocks that failed for `reason`.
+    pub fn count_blocks_failed(&self, reason: BlockFailure, n: u64) {
+        self.blocks_failed.add(reason, n);
+    }
+
+    /// Counts `n` snapshot attempts skipped for the snapshot budget.
+    pub fn count_snapshots_skipped(&self, n: u64) {
+        self.snapshots_skipped.add(n);
+    }
+
     /// Counts one NATS connection event.
     pub fn count_connection_event(&self, event: ConnectionEventKind) {
         self.nats_connection_events.add(event, 1);
@@ -602,6 +643,8 @@ impl Metrics {
             captures_unclosed: self.captures_unclosed.get(),
             finals_diverged: self.finals_diverged.get(),
             text_overflows: self.text_overflows.get(),
+            blocks_failed: self.blocks_failed.snapshot(),
+            snapshots_skipped: self.snapshots_skipped.get(),
             nats_connection_events: self.nats_connection_events.snapshot(),
             shard_inbox_full: self.shard_inbox_full.get(),
             event_latency: self.event_latency.snapshot(),
@@ -627,6 +670,8 @@ impl Metrics {
         out.scalar(CAPTURES_UNCLOSED, s.captures_unclosed);
         out.scalar(FINALS_DIVERGED, s.finals_diverged);
         out.scalar(TEXT_OVERFLOWS, s.text_overflows);
+        out.family::<BlockFailure>(BLOCKS_FAILED, &s.blocks_failed);
+        out.scalar(SNAPSHOTS_SKIPPED, s.snapshots_skipped);
         out.family::<ConnectionEventKind>(NATS_CONNECTION_EVENTS, &s.nats_connection_events);
         out.scalar(SHARD_INBOX_FULL, s.shard_inbox_full);
         out.histogram(EVENT_LATENCY, &s.event_latency);
@@ -713,7 +758,7 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 17] = [
+    const ALL_DEFS: [MetricDef; 19] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
@@ -727,6 +772,8 @@ mod tests {
         CAPTURES_UNCLOSED,
         FINALS_DIVERGED,
         TEXT_OVERFLOWS,
+        BLOCKS_FAILED,
+        SNAPSHOTS_SKIPPED,
         NATS_CONNECTION_EVENTS,
         SHARD_INBOX_FULL,
         EVENT_LATENCY,

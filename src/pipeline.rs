@@ -126,6 +126,9 @@ pub struct PipelineLimits {
     pub unescape_text: bool,
     /// When the whole visible text accompanies a text output.
     pub cumulative_text: CumulativeText,
+    /// Live-snapshot work allowed per payload byte received (see [`crate::payload::snapshot`]);
+    /// an attempt over it is skipped and counted in [`PipelineStats::snapshot_budget_skips`].
+    pub snapshot_budget: usize,
 }
 
 impl Default for PipelineLimits {
@@ -136,6 +139,7 @@ impl Default for PipelineLimits {
             malformed: MalformedPolicy::Drop,
             unescape_text: false,
             cumulative_text: CumulativeText::Final,
+            snapshot_budget: crate::payload::snapshot::BUDGET_FACTOR,
         }
     }
 }
@@ -165,6 +169,8 @@ pub struct PipelineStats {
     pub text_overflows: u64,
     /// Blocks whose payload could not be decoded (YAML or JSON errors).
     pub invalid_payloads: u64,
+    /// Live-snapshot attempts skipped for exceeding the snapshot budget.
+    pub snapshot_budget_skips: u64,
 }
 
 /// A captured region's number within its stream (from 1) and its tag.
@@ -435,6 +441,14 @@ impl Pipeline {
         self.stats
     }
 
+    /// The most bytes a stream of this pipeline ever holds back between deltas: an incomplete
+    /// UTF-8 character (3), an incomplete escape (12, with `unescape_text`) and a prefix of the
+    /// longest open tag. Structural: it follows from the registered tags, so no input can
+    /// exceed it.
+    pub fn max_held_len(&self) -> usize {
+        3 + unescape::MAX_ESCAPE_LEN + self.tags.max_open_len()
+    }
+
     /// Feeds one delta of `stream`; everything that became certain is emitted.
     pub fn feed(&mut self, stream: &mut StreamState, delta: &str, sink: &mut impl Emit) {
         self.scan(stream, delta, sink);
@@ -630,7 +644,10 @@ impl<'a, S: Emit> Driver<'a, S> {
     fn snapshot(&mut self) {
         let Some(capture) = self.progress.capture.as_deref_mut() else { return };
         let Some(snapshots) = capture.snapshots.as_mut() else { return };
-        if let Some(value) = snapshots.push(self.pending) {
+        let skipped = snapshots.budget_skips();
+        let snapshot = snapshots.push(self.pending);
+        self.stats.snapshot_budget_skips += snapshots.budget_skips() - skipped;
+        if let Some(value) = snapshot {
             let item = capture.item;
             self.progress.seq += 1;
             self.sink.emit(Output { seq: self.progress.seq, kind: OutputKind::BlockSnapshot { item, value: &value } });
@@ -718,7 +735,9 @@ impl<S: Emit> ScanSink for Driver<'_, S> {
         let item = Item { tag, number: self.progress.items };
         let spec = &self.registered[usize::from(tag.0)].spec;
         let kind = spec.kind;
-        let snapshots = (kind == TagKind::Block && spec.snapshots).then(|| Snapshotter::new(spec.payload));
+        let budget = self.limits.snapshot_budget;
+        let snapshots =
+            (kind == TagKind::Block && spec.snapshots).then(|| Snapshotter::new(spec.payload).with_budget(budget));
         self.progress.capture =
             Some(Box::new(Capture { item, kind, payload: String::new(), overflowed: false, snapshots }));
         match kind {

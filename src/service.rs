@@ -27,7 +27,9 @@ use crate::bus::{self, BusError, ConnectionEvent};
 use crate::codec::outbound::Publication;
 use crate::config::Config;
 use crate::http::{self, Readiness};
-use crate::metrics::{CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind};
+use crate::metrics::{
+    BlockFailure, CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind,
+};
 use crate::pipeline::PipelineStats;
 use crate::shard::table::{StreamTable, TableLimits, TableStats};
 use crate::shard::worker::{ShardSet, ShardSettings, ShardSink};
@@ -574,6 +576,13 @@ impl ShardSink<Envelope> for NatsSink {
         m.count_captures_unclosed(pipeline.unclosed_captures - last.pipeline.unclosed_captures);
         m.count_finals_diverged(pipeline.diverged_finals - last.pipeline.diverged_finals);
         m.count_text_overflows(pipeline.text_overflows - last.pipeline.text_overflows);
+        m.count_blocks_failed(BlockFailure::InvalidPayload, pipeline.invalid_payloads - last.pipeline.invalid_payloads);
+        m.count_blocks_failed(
+            BlockFailure::SchemaMismatch,
+            table.typed.schema_mismatches - last.table.typed.schema_mismatches,
+        );
+        m.count_blocks_failed(BlockFailure::TooDeep, table.typed.too_deep - last.table.typed.too_deep);
+        m.count_snapshots_skipped(pipeline.snapshot_budget_skips - last.pipeline.snapshot_budget_skips);
         self.reported = Reported { table, pipeline };
     }
 

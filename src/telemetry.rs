@@ -136,8 +136,11 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
             .with_writer(std::io::stderr)
             // Colours only for a person at a terminal, not in collected container logs.
             .with_ansi(std::io::stderr().is_terminal())
+            .with_filter(payload_guard())
             .boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).boxed(),
+        LogFormat::Json => {
+            tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).with_filter(payload_guard()).boxed()
+        }
     };
     let mut layers = vec![fmt_layer];
     if let Some(provider) = &provider {
@@ -157,6 +160,18 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
         return Err(TelemetryError::AlreadyInitialized);
     }
     Ok(TelemetryGuard { provider })
+}
+
+/// Libraries whose TRACE events print message payloads (async-nats logs every protocol
+/// operation with its bytes at TRACE). They are capped at DEBUG whatever `RUST_LOG` or
+/// `telemetry.log_filter` say, so that payload text never reaches a log line.
+const PAYLOAD_TARGETS: &[&str] = &["async_nats"];
+
+/// The log layer's filter that applies [`PAYLOAD_TARGETS`].
+fn payload_guard() -> Targets {
+    PAYLOAD_TARGETS.iter().fold(Targets::new().with_default(LevelFilter::TRACE), |targets, target| {
+        targets.with_target(*target, LevelFilter::DEBUG)
+    })
 }
 
 /// The env-filter: `rust_log` (the value of `RUST_LOG`) when set and not blank, else

@@ -16,7 +16,7 @@ use super::inbound::StreamIdentity;
 use super::proto;
 use super::subject::escape_token;
 use crate::pipeline::{Item, Output, OutputKind, Pipeline, TagKind};
-use crate::typed::{BlockType, SchemaRegistry};
+use crate::typed::{BlockType, ConversionErrorKind, SchemaRegistry};
 
 /// The subjects the service publishes to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,6 +155,15 @@ struct TagOut {
     typed: Option<BlockType>,
 }
 
+/// Counters of typed conversions that failed while encoding completed blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EncoderStats {
+    /// Completed blocks whose payload did not fit their declared message type.
+    pub schema_mismatches: u64,
+    /// Completed blocks whose payload nested messages deeper than `schemas.max_depth`.
+    pub too_deep: u64,
+}
+
 /// Encodes outputs of any stream of one pipeline.
 #[derive(Debug, Clone)]
 pub struct OutputEncoder {
@@ -163,6 +172,7 @@ pub struct OutputEncoder {
     thinking: Arc<str>,
     tools: Arc<str>,
     tags: Vec<TagOut>,
+    stats: EncoderStats,
 }
 
 impl OutputEncoder {
@@ -207,6 +217,7 @@ impl OutputEncoder {
             thinking: subjects.thinking.as_str().into(),
             tools: subjects.tools.as_str().into(),
             tags,
+            stats: EncoderStats::default(),
         }
     }
 
@@ -227,13 +238,18 @@ impl OutputEncoder {
         self
     }
 
+    /// Typed conversions that failed so far.
+    pub fn stats(&self) -> EncoderStats {
+        self.stats
+    }
+
     /// The subject of block events of `tag` (by index), for documentation and tests.
     pub fn block_subject(&self, tag: usize) -> Option<&str> {
         self.tags.get(tag).map(|t| t.subject.as_ref())
     }
 
     /// Encodes one output of the stream `header`.
-    pub fn encode(&self, header: &StreamHeader, output: &Output<'_>) -> Publication {
+    pub fn encode(&mut self, header: &StreamHeader, output: &Output<'_>) -> Publication {
         let seq = output.seq;
         if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish }) =
             (self.text_encoding, &output.kind)
@@ -280,7 +296,13 @@ impl OutputEncoder {
                 let (typed, error) = match (value, typed, error) {
                     (Some(value), Some(t), None) => match t.convert(value) {
                         Ok(message) => (Some(t.to_any(&message)), None),
-                        Err(e) => (None, Some(format!("payload does not fit {}: {e}", t.descriptor().full_name()))),
+                        Err(e) => {
+                            match e.kind() {
+                                ConversionErrorKind::TooDeep => self.stats.too_deep += 1,
+                                _ => self.stats.schema_mismatches += 1,
+                            }
+                            (None, Some(format!("payload does not fit {}: {e}", t.descriptor().full_name())))
+                        }
                     },
                     (_, _, error) => (None, error.map(str::to_owned)),
                 };
@@ -476,7 +498,7 @@ mod tests {
 
     #[test]
     fn messages_decode_with_the_generated_types() {
-        let (mut pipeline, encoder, header) = setup();
+        let (mut pipeline, mut encoder, header) = setup();
         let mut s = StreamState::new();
         let mut pubs = Vec::new();
         let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));

@@ -262,8 +262,12 @@ fn close(out: &mut String, open: Open, after_key: bool) {
 fn finish_token(out: &mut String) {
     let trimmed = out.trim_end().len();
     out.truncate(trimmed);
-    let token_start =
-        out.rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '+' | '-'))).map_or(0, |i| i + 1);
+    // The token is ASCII; the character before it may not be, so step over it whole.
+    let token_start = out
+        .char_indices()
+        .rev()
+        .find(|&(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '+' | '-')))
+        .map_or(0, |(i, c)| i + c.len_utf8());
     let token = &out[token_start..];
     if token.is_empty() {
         return;

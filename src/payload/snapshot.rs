@@ -26,8 +26,9 @@
 //! [`Snapshotter::parsed_bytes`] counts the work: bytes handed to the YAML parser, scanned by the
 //! repair or the hold-back, fed to the partial JSON parser, and, for each JSON value built, the
 //! bytes it was built from. As a hard backstop, an attempt whose cost would take this counter
-//! above [`BUDGET_FACTOR`] × the bytes received is skipped, so the counter stays below
-//! 8× the payload size for any payload.
+//! above `budget` × the bytes received is skipped (default [`BUDGET_FACTOR`], set with
+//! [`Snapshotter::with_budget`]; each skip is counted by [`Snapshotter::budget_skips`]), so the
+//! counter stays below `budget + 1` × the payload size for any payload.
 //!
 //! Deduplication: a JSON value is built only when the partial parser's exact change flag is set;
 //! a YAML candidate is compared with the last returned one (O(value), less than the parse that
@@ -45,7 +46,7 @@ use super::{decode, PayloadError};
 /// Default minimum growth, in bytes, between two snapshot attempts.
 pub const MIN_GROWTH_BYTES: usize = 256;
 
-/// Snapshot work may never exceed this many times the bytes received.
+/// Default snapshot budget: work may never exceed this many times the bytes received.
 pub const BUDGET_FACTOR: usize = 7;
 
 /// How a block's payload is decoded (the `payload` key of a `block` tag).
@@ -66,6 +67,10 @@ pub enum PayloadFormat {
 pub struct Snapshotter {
     format: PayloadFormat,
     min_growth: usize,
+    /// Work allowed per byte received; see [`Snapshotter::with_budget`].
+    budget: usize,
+    /// Attempts skipped because they would have exceeded the budget.
+    budget_skips: u64,
     engine: Engine,
     /// Bytes pushed so far.
     received: usize,
@@ -101,6 +106,8 @@ impl Snapshotter {
         Snapshotter {
             format,
             min_growth: MIN_GROWTH_BYTES,
+            budget: BUDGET_FACTOR,
+            budget_skips: 0,
             engine,
             received: 0,
             last_attempt: 0,
@@ -114,6 +121,18 @@ impl Snapshotter {
     pub fn with_min_growth(mut self, bytes: usize) -> Self {
         self.min_growth = bytes.max(1);
         self
+    }
+
+    /// Sets the budget: snapshot work stays within `factor` × the bytes received (0 disables
+    /// snapshots in effect). An attempt over it is skipped and counted, never partly run.
+    pub fn with_budget(mut self, factor: usize) -> Self {
+        self.budget = factor;
+        self
+    }
+
+    /// Attempts skipped so far because they would have exceeded the budget.
+    pub fn budget_skips(&self) -> u64 {
+        self.budget_skips
     }
 
     /// The format this snapshotter decodes.
@@ -144,7 +163,8 @@ impl Snapshotter {
                 if !parser.has_changed() || !due(size, self.last_attempt, self.min_growth) {
                     return None;
                 }
-                if !affordable(self.parsed_bytes, size, self.received) {
+                if !affordable(self.parsed_bytes, size, self.received, self.budget) {
+                    self.budget_skips += 1;
                     return None;
                 }
                 self.last_attempt = size;
@@ -169,7 +189,17 @@ impl Snapshotter {
                 *settled = fence.is_closed();
                 let (body, scanned) = settled_yaml(fence.body(text));
                 self.parsed_bytes += scanned;
-                yaml_snapshot(body, &mut self.parsed_bytes, self.received)
+                let mut work = Work {
+                    parsed: &mut self.parsed_bytes,
+                    received: self.received,
+                    budget: self.budget,
+                    refused: false,
+                };
+                let candidate = yaml_snapshot(body, &mut work);
+                if work.over_budget() {
+                    self.budget_skips += 1;
+                }
+                candidate
             }
         }?;
         if self.last.as_ref() == Some(&candidate) {
@@ -191,28 +221,51 @@ fn due(size: usize, last_attempt: usize, min_growth: usize) -> bool {
     size.saturating_sub(last_attempt) >= min_growth.max(last_attempt / 4)
 }
 
-/// Whether spending `cost` more keeps the work within [`BUDGET_FACTOR`] × `received`.
-fn affordable(parsed: usize, cost: usize, received: usize) -> bool {
-    parsed + cost <= BUDGET_FACTOR * received
+/// Whether spending `cost` more keeps the work within `budget` × `received`.
+fn affordable(parsed: usize, cost: usize, received: usize, budget: usize) -> bool {
+    parsed.saturating_add(cost) <= budget.saturating_mul(received)
+}
+
+/// The work account of one YAML attempt: spends only what the budget allows and remembers
+/// whether something was refused.
+struct Work<'a> {
+    parsed: &'a mut usize,
+    received: usize,
+    budget: usize,
+    refused: bool,
+}
+
+impl Work<'_> {
+    /// Spends `cost` if affordable; false (and remembered) if not.
+    fn spend(&mut self, cost: usize) -> bool {
+        if affordable(*self.parsed, cost, self.received, self.budget) {
+            *self.parsed += cost;
+            true
+        } else {
+            self.refused = true;
+            false
+        }
+    }
+
+    fn over_budget(&self) -> bool {
+        self.refused
+    }
 }
 
 /// One YAML attempt on `body`: strict, then repaired, each only if affordable. Only mappings
 /// and sequences count as snapshots.
-fn yaml_snapshot(body: &str, parsed: &mut usize, received: usize) -> Option<Value> {
-    if body.trim().is_empty() || !affordable(*parsed, body.len(), received) {
+fn yaml_snapshot(body: &str, work: &mut Work<'_>) -> Option<Value> {
+    if body.trim().is_empty() || !work.spend(body.len()) {
         return None;
     }
-    *parsed += body.len();
     let value = match parse_strict(body) {
         Ok(value) => value,
-        Err(_) if affordable(*parsed, body.len(), received) => {
-            // The repair scans the body once; its output is parsed only if that is affordable.
-            *parsed += body.len();
+        // The repair scans the body once; its output is parsed only if that is affordable.
+        Err(_) if work.spend(body.len()) => {
             let repaired = repair(body)?;
-            if !affordable(*parsed, repaired.len(), received) {
+            if !work.spend(repaired.len()) {
                 return None;
             }
-            *parsed += repaired.len();
             parse_strict(&repaired).ok()?
         }
         Err(_) => return None,
@@ -449,5 +502,31 @@ mod tests {
         let snapshots = stream(&mut snapshotter, &text, 16);
         assert!(snapshots.is_empty());
         assert!(snapshotter.parsed_bytes() < 8 * text.len());
+    }
+
+    #[test]
+    fn a_smaller_budget_skips_and_counts_attempts() {
+        let mut text = String::from("a: [\n");
+        while text.len() < 64 * 1024 {
+            text.push_str("\tkey:value\n");
+        }
+        let mut generous = Snapshotter::new(PayloadFormat::Yaml).with_min_growth(1);
+        stream(&mut generous, &text, 16);
+        let mut tight = Snapshotter::new(PayloadFormat::Yaml).with_min_growth(1).with_budget(2);
+        stream(&mut tight, &text, 16);
+        assert!(tight.parsed_bytes() <= 2 * text.len(), "{} > 2 × {}", tight.parsed_bytes(), text.len());
+        assert!(
+            tight.budget_skips() > generous.budget_skips(),
+            "{} vs {}",
+            tight.budget_skips(),
+            generous.budget_skips()
+        );
+
+        // A budget of 0 turns snapshots off: every due attempt is skipped and counted.
+        let mut off = Snapshotter::new(PayloadFormat::Json).with_budget(0);
+        let value = big_json(4096);
+        assert!(stream(&mut off, &value, 16).is_empty());
+        assert!(off.budget_skips() > 0);
+        assert!(off.complete(&value).is_ok(), "the final value never depends on the budget");
     }
 }

@@ -3,59 +3,7 @@
 use super::*;
 use proptest::prelude::*;
 
-/// An owned copy of an output, for assertions.
-#[derive(Debug, Clone, PartialEq)]
-enum Rec {
-    Text(String),
-    /// delta, whole text, reason
-    Final(String, Option<String>, String),
-    Started(u32),
-    Delta(u32, String),
-    Completed(u32, String, Option<String>),
-    ThinkStart(u32),
-    Think(u32, String),
-    ThinkEnd(u32, bool),
-    Tool(u32, Result<(String, String, serde_json::Value), String>),
-    Snapshot(u32, serde_json::Value),
-}
-
-#[derive(Default)]
-struct Sink {
-    outs: Vec<Rec>,
-    seqs: Vec<u64>,
-}
-
-impl Emit for Sink {
-    fn emit(&mut self, o: Output<'_>) {
-        self.seqs.push(o.seq);
-        let rec = match o.kind {
-            OutputKind::Text { delta, finish: None, .. } => {
-                assert!(!delta.is_empty(), "empty text emitted");
-                Rec::Text(delta.to_owned())
-            }
-            OutputKind::Text { delta, text, finish: Some(f) } => {
-                Rec::Final(delta.to_owned(), text.map(str::to_owned), f.reason.to_owned())
-            }
-            OutputKind::BlockStarted { item } => Rec::Started(item.number),
-            OutputKind::BlockDelta { item, raw } => {
-                assert!(!raw.is_empty(), "empty block delta emitted");
-                Rec::Delta(item.number, raw.to_owned())
-            }
-            OutputKind::BlockSnapshot { item, value } => Rec::Snapshot(item.number, value.clone()),
-            OutputKind::BlockCompleted { item, raw, error, .. } => {
-                Rec::Completed(item.number, raw.to_owned(), error.map(str::to_owned))
-            }
-            OutputKind::ThinkingStarted { item } => Rec::ThinkStart(item.number),
-            OutputKind::ThinkingDelta { item, text } => Rec::Think(item.number, text.to_owned()),
-            OutputKind::ThinkingEnded { item, closed } => Rec::ThinkEnd(item.number, closed),
-            OutputKind::ToolCall { item, call, .. } => Rec::Tool(
-                item.number,
-                call.map(|c| (c.tool_name.clone(), c.server_name.clone(), c.arguments.clone())).map_err(str::to_owned),
-            ),
-        };
-        self.outs.push(rec);
-    }
-}
+use crate::properties::{merge, Rec, Recorder as Sink};
 
 fn specs() -> Vec<TagSpec> {
     vec![
@@ -419,30 +367,6 @@ fn stream_state_stays_small() {
     }
     p.feed(&mut s, "<core:x:", &mut |_: Output<'_>| {});
     assert!(size + s.heap_bytes() < 1024, "{} heap bytes", s.heap_bytes());
-}
-
-/// Merges adjacent text, block deltas and thinking deltas, and drops seq-only differences: what
-/// must be identical under any chunking.
-fn merge(outs: Vec<Rec>) -> Vec<Rec> {
-    let mut merged: Vec<Rec> = Vec::new();
-    // Snapshots depend on where deltas end (they are taken per delta), so they are not part of
-    // what must be chunking-invariant.
-    for o in outs.into_iter().filter(|o| !matches!(o, Rec::Snapshot(..))) {
-        match (merged.last_mut(), o) {
-            (Some(Rec::Text(a)), Rec::Text(b)) => a.push_str(&b),
-            (Some(Rec::Delta(i, a)), Rec::Delta(j, b)) if *i == j => a.push_str(&b),
-            (Some(Rec::Think(i, a)), Rec::Think(j, b)) if *i == j => a.push_str(&b),
-            // The final's delta is text like any other.
-            (Some(Rec::Text(a)), Rec::Final(d, text, r)) => {
-                a.push_str(&d);
-                let a = std::mem::take(a);
-                merged.pop();
-                merged.push(Rec::Final(a, text, r));
-            }
-            (_, o) => merged.push(o),
-        }
-    }
-    merged
 }
 
 fn piece() -> impl Strategy<Value = String> {

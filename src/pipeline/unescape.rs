@@ -7,7 +7,7 @@
 //! the end of the stream is released literally.
 
 /// The longest escape: a surrogate pair `\uD83D\uDE00`.
-const MAX_ESCAPE_LEN: usize = 12;
+pub(crate) const MAX_ESCAPE_LEN: usize = 12;
 
 /// The per-stream escape decoder.
 #[derive(Debug, Clone, Default)]

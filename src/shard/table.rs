@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use hashlink::{LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent};
-use crate::codec::outbound::{OutputEncoder, Publication, StreamHeader, Vocabulary};
+use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
 use crate::pipeline::{Output, Pipeline, PipelineStats, StreamState};
 
 /// Bounds of a table.
@@ -56,6 +56,8 @@ pub struct TableStats {
     pub closed_at_shutdown: u64,
     /// Events for streams that had finished.
     pub late_events: u64,
+    /// Typed conversions of completed blocks that failed.
+    pub typed: EncoderStats,
 }
 
 struct OpenStream {
@@ -108,7 +110,7 @@ impl StreamTable {
 
     /// The table's counters.
     pub fn stats(&self) -> TableStats {
-        self.stats
+        TableStats { typed: self.encoder.stats(), ..self.stats }
     }
 
     /// The pipeline's counters.
@@ -145,7 +147,7 @@ impl StreamTable {
             }
             EventAction::Delta(delta) => {
                 self.ensure_open(event, now, sink, opened);
-                let (pipeline, encoder) = (&mut self.pipeline, &self.encoder);
+                let (pipeline, encoder) = (&mut self.pipeline, &mut self.encoder);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
                 open.last_seen = now;
                 open.last_input = sequence.unwrap_or(open.last_input);
@@ -241,7 +243,7 @@ impl StreamTable {
         reason: &str,
         sink: &mut impl FnMut(Publication),
     ) {
-        let (pipeline, encoder, header) = (&mut self.pipeline, &self.encoder, &open.header);
+        let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
         pipeline.finish(&mut open.state, final_text, reason, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
         open.span.record("stream.outputs", open.state.seq());
         open.span.record("stream.finish_reason", reason);

@@ -15,12 +15,27 @@ pub struct BlockType {
     tag: String,
     descriptor: MessageDescriptor,
     subject: Option<String>,
+    /// How deep messages may nest in a converted payload.
+    max_depth: usize,
 }
 
 impl BlockType {
     /// A block type for `tag` typed by `descriptor`, published on `subject` when set.
     pub(crate) fn new(tag: String, descriptor: MessageDescriptor, subject: Option<String>) -> Self {
-        BlockType { tag, descriptor, subject }
+        BlockType { tag, descriptor, subject, max_depth: convert::MAX_NESTING_DEPTH }
+    }
+
+    /// Sets how deep messages may nest in a converted payload (the root is at depth 1). A
+    /// deeper payload fails [`convert`](Self::convert) with `TooDeep`, and its deeper messages
+    /// are left out of [`convert_partial`](Self::convert_partial).
+    pub fn with_max_depth(mut self, depth: usize) -> Self {
+        self.max_depth = depth;
+        self
+    }
+
+    /// The nesting limit of conversions.
+    pub fn max_depth(&self) -> usize {
+        self.max_depth
     }
 
     /// The block tag, `package:type:version`.
@@ -47,7 +62,7 @@ impl BlockType {
     /// Converts a parsed payload into the message, failing on the first problem with an error
     /// naming the field path (the rules are in the [`convert`](super::convert) module doc).
     pub fn convert(&self, value: &serde_json::Value) -> Result<DynamicMessage, ConversionError> {
-        convert::convert(&self.descriptor, value, Mode::Strict)
+        convert::convert(&self.descriptor, value, Mode::Strict, self.max_depth)
     }
 
     /// Converts a payload that is still streaming, for a live snapshot: the same rules, but a
@@ -55,7 +70,7 @@ impl BlockType {
     /// instead of failing the whole. `None` only when the value is not a mapping (for example
     /// `null` before the first key arrives).
     pub fn convert_partial(&self, value: &serde_json::Value) -> Option<DynamicMessage> {
-        convert::convert(&self.descriptor, value, Mode::Partial).ok()
+        convert::convert(&self.descriptor, value, Mode::Partial, self.max_depth).ok()
     }
 
     /// Encodes `message` as `google.protobuf.Any`, with the type URL of the message's own type

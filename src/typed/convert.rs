@@ -23,7 +23,8 @@
 //!   value.
 //! * **Repeated fields**: a list. **Maps**: a mapping; keys are converted to the key type (`"7"`
 //!   for an integer key, `"true"` for a boolean key).
-//! * **Messages**: a mapping, converted recursively, at most [`MAX_NESTING_DEPTH`] messages deep.
+//! * **Messages**: a mapping, converted recursively, at most `max_depth` messages deep (default
+//!   [`MAX_NESTING_DEPTH`], configured by `schemas.max_depth`).
 //! * **Oneofs**: at most one member may be given.
 //! * **Well-known types**: wrappers (`google.protobuf.Int32Value`, ...) take the plain scalar;
 //!   `Timestamp`, `Duration`, `FieldMask`, `Struct`, `Value`, `ListValue`, `Empty` and `Any` take
@@ -49,7 +50,7 @@ use std::fmt::{self, Write as _};
 use prost_reflect::{DynamicMessage, FieldDescriptor, Kind, MapKey, MessageDescriptor, ReflectMessage, Value};
 use serde_json::Value as Json;
 
-/// How deep messages may nest in a converted payload; the root message is at depth 1. Deeper
+/// How deep messages may nest in a converted payload by default (`schemas.max_depth`); the root message is at depth 1. Deeper
 /// input is rejected (or, in a partial conversion, left out) so that a hostile payload against a
 /// recursive message type cannot recurse without bound.
 pub const MAX_NESTING_DEPTH: usize = 64;
@@ -74,7 +75,7 @@ pub enum ConversionErrorKind {
     BadEnumValue,
     /// Two members of one oneof, or one field under both of its names.
     Conflict,
-    /// Messages nested deeper than [`MAX_NESTING_DEPTH`].
+    /// Messages nested deeper than the limit ([`MAX_NESTING_DEPTH`] unless configured).
     TooDeep,
 }
 
@@ -117,8 +118,13 @@ pub(crate) enum Mode {
 }
 
 /// Converts `value` into a message of type `desc` (the module doc has the rules).
-pub(crate) fn convert(desc: &MessageDescriptor, value: &Json, mode: Mode) -> Result<DynamicMessage, ConversionError> {
-    let mut converter = Converter { mode, path: Vec::new() };
+pub(crate) fn convert(
+    desc: &MessageDescriptor,
+    value: &Json,
+    mode: Mode,
+    max_depth: usize,
+) -> Result<DynamicMessage, ConversionError> {
+    let mut converter = Converter { mode, max_depth, path: Vec::new() };
     converter.message(desc, value, 1)
 }
 
@@ -136,6 +142,8 @@ enum Segment {
 /// The state of one conversion: the mode and the path to the current value.
 struct Converter {
     mode: Mode,
+    /// Messages deeper than this fail ([`ConversionErrorKind::TooDeep`]).
+    max_depth: usize,
     path: Vec<Segment>,
 }
 
@@ -180,10 +188,11 @@ impl Converter {
         value: &Json,
         depth: usize,
     ) -> Result<DynamicMessage, ConversionError> {
-        if depth > MAX_NESTING_DEPTH {
+        if depth > self.max_depth {
+            let limit = self.max_depth;
             return Err(self.error(Problem::new(
                 ConversionErrorKind::TooDeep,
-                format!("messages nested deeper than {MAX_NESTING_DEPTH} levels (this one is at depth {depth})"),
+                format!("messages nested deeper than {limit} levels (this one is at depth {depth})"),
             )));
         }
         if let Some(result) = self.well_known(desc, value) {

@@ -158,6 +158,14 @@ impl SchemaRegistry {
         BUILTIN.get_or_init(|| SchemaRegistry::load(&[]).expect("the built-in schemas compile")).clone()
     }
 
+    /// Sets the nesting limit of every block type's conversions (`schemas.max_depth`).
+    pub fn with_max_depth(mut self, depth: usize) -> Self {
+        for block in self.types.values_mut() {
+            *block = block.clone().with_max_depth(depth);
+        }
+        self
+    }
+
     /// The block type declared for `tag`, if any.
     pub fn block_type(&self, tag: &str) -> Option<&BlockType> {
         self.types.get(tag)

@@ -4,6 +4,7 @@
 mod cli;
 mod deploy;
 mod harness;
+mod hostile;
 mod replay;
 mod scale;
 mod service;
