@@ -574,4 +574,12 @@ mod regressions {
         }
         payload_parsing(&deep_flow, &[3, 5000]);
     }
+
+    /// With a budget of 0, YAML's hold-back scan ran outside the budget, so snapshot work
+    /// exceeded `(budget + 1)` × the payload (found by the `payload` fuzz target).
+    #[test]
+    fn the_yaml_hold_back_scan_is_within_the_budget() {
+        snapshots_are_bounded("0x6\n\n", &[], 0);
+        snapshots_are_bounded("k:\nl:\nm:\n", &[2, 4, 6, 8], 0);
+    }
 }

@@ -186,8 +186,14 @@ impl Snapshotter {
                     return None;
                 }
                 self.last_attempt = size;
+                let body = fence.body(text);
+                // The hold-back scan reads at most the body: it too must fit the budget.
+                if !affordable(self.parsed_bytes, body.len(), self.received, self.budget) {
+                    self.budget_skips += 1;
+                    return None;
+                }
                 *settled = fence.is_closed();
-                let (body, scanned) = settled_yaml(fence.body(text));
+                let (body, scanned) = settled_yaml(body);
                 self.parsed_bytes += scanned;
                 let mut work = Work {
                     parsed: &mut self.parsed_bytes,
