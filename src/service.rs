@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
 use async_nats::{HeaderMap, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -149,6 +150,7 @@ impl RunningService {
             expiry_tick: Duration::from_millis(config.shards.expiry_tick_ms),
             close_on_shutdown: !config.jetstream.enabled,
         };
+        let cancel = CancellationToken::new();
         let sink_template = NatsSink {
             client: client.clone(),
             metrics: metrics.clone(),
@@ -157,14 +159,17 @@ impl RunningService {
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
             held: HashMap::new(),
-            // A short ack timeout: a confirmation lost with a failing server is retried soon
-            // instead of holding the worker for async-nats' default 30 s.
-            confirm: config.jetstream.enabled.then(|| {
-                async_nats::jetstream::ContextBuilder::new().ack_timeout(Duration::from_secs(2)).build(client.clone())
-            }),
+            // A short timeout: a confirmation lost with a failing server is published again soon
+            // instead of holding the worker for async-nats' default of 5 s per awaited
+            // confirmation (`ack_timeout` would only bound confirmations nobody awaits).
+            confirm: config
+                .jetstream
+                .enabled
+                .then(|| async_nats::jetstream::ContextBuilder::new().timeout(CONFIRM_TIMEOUT).build(client.clone())),
             unconfirmed: HashMap::new(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
+            stopping: cancel.clone(),
         };
         let shards = ShardSet::start(settings, |_| {
             (StreamTable::new(pipeline.clone(), encoder.clone(), limits), sink_template.clone())
@@ -175,7 +180,6 @@ impl RunningService {
         if config.partitions.mode == crate::config::PartitionMode::Subject && config.partitions.verify_mapping {
             input::verify_mapping(&client, &ownership).await?;
         }
-        let cancel = CancellationToken::new();
         let mut dispatchers = Vec::new();
         let sources = input::open_sources(&client, &config, &ownership).await?;
         let subjects: Vec<String> = sources.iter().map(|(subject, _)| subject.clone()).collect();
@@ -343,22 +347,36 @@ pub struct NatsSink {
     unconfirmed: HashMap<Box<str>, Vec<Unconfirmed>>,
     /// The number of confirmations in `unconfirmed`.
     unconfirmed_total: usize,
-    /// Open streams with an output whose storage failed: their input is not acknowledged.
+    /// Open streams with an output whose storage was not confirmed before shutdown: their input
+    /// is not acknowledged.
     unconfirmed_failures: std::collections::HashSet<Box<str>>,
+    /// Fired when the service begins to stop: outputs not confirmed by then are no longer
+    /// published again (their input stays unacknowledged for the next owner).
+    stopping: CancellationToken,
 }
 
-/// An output published through JetStream whose storage is not confirmed yet, with what it takes
-/// to publish it again (same `Nats-Msg-Id`, so a copy that was stored after all is dropped).
+/// An output published through JetStream whose storage is not confirmed yet.
 struct Unconfirmed {
-    confirmation: async_nats::jetstream::context::PublishAckFuture,
+    /// The confirmation to await, or why the publish could not even be sent.
+    sent: Result<PublishAckFuture, PublishError>,
+    output: Output,
+}
+
+/// What it takes to publish an output again (same `Nats-Msg-Id` header, so a copy that was stored
+/// after all is dropped by the stream).
+struct Output {
     subject: Subject,
     headers: HeaderMap,
     payload: Bytes,
 }
 
-/// How often an unconfirmed output is published again before its stream's input is left
-/// unacknowledged.
-const CONFIRM_ATTEMPTS: u32 = 20;
+/// Rounds of publishing unconfirmed outputs again between two error logs (the first rounds are
+/// expected while a stream elects a leader, so they are only warnings).
+const ROUNDS_PER_ERROR_LOG: u32 = 10;
+
+/// How long a storage confirmation (and a JetStream API request of the sink) is awaited before
+/// the output is published again.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Confirmations outstanding per worker before all of them are awaited. It bounds memory, and
 /// stays well below async-nats' limit of in-flight publish acks (5,000 per connection), beyond
@@ -379,6 +397,7 @@ impl Clone for NatsSink {
             unconfirmed: HashMap::new(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
+            stopping: self.stopping.clone(),
         }
     }
 }
@@ -395,36 +414,57 @@ impl NatsSink {
     }
 
     /// Waits for storage confirmations, publishing again (with backoff, same message id) what was
-    /// not confirmed, for instance across a server restart. True when every output was stored, or
-    /// when no stream captures the output subjects (nothing downstream to confirm).
+    /// not confirmed, for instance across a server restart or while a replicated stream elects a
+    /// new leader, until everything is stored or the service stops. True when every output was
+    /// stored or has nowhere to be stored (no stream captures its subject); false only when the
+    /// service stopped first.
+    ///
+    /// There is no give-up short of shutdown: input whose outputs were given up would have to be
+    /// processed again, but its stream has finished here, so a redelivery of it counts as a
+    /// duplicate of a finished stream and is acknowledged without output. Retrying holds the
+    /// worker, which is the backpressure a durable pipeline wants while its output store is
+    /// unavailable; at shutdown the unacknowledged input goes to the next owner, which rebuilds the
+    /// stream.
     async fn await_confirmations(&self, pending: Vec<Unconfirmed>) -> bool {
-        use async_nats::jetstream::context::PublishErrorKind;
         let Some(js) = self.confirm.as_ref() else { return true };
-        let mut all = true;
-        for output in pending {
-            let mut result = output.confirmation.await;
-            let mut attempt = 0;
-            while let Err(e) = &result {
-                if e.kind() == PublishErrorKind::StreamNotFound {
-                    break;
+        let mut pending = pending;
+        let mut round = 0u32;
+        loop {
+            let failed = unstored(js, pending).await;
+            let Some((_, error)) = failed.first() else { return true };
+            let error = match error.kind() {
+                // `unstored` kept it, so a stream does capture the subject.
+                PublishErrorKind::StreamNotFound => "no responders: the stream has no leader".to_owned(),
+                _ => error.to_string(),
+            };
+            if self.stopping.is_cancelled() {
+                tracing::warn!(outputs = failed.len(), %error, "stopping with outputs whose storage is not confirmed");
+                return false;
+            }
+            round += 1;
+            if round % ROUNDS_PER_ERROR_LOG == 0 {
+                tracing::error!(outputs = failed.len(), round, %error, "outputs still not confirmed; publishing them again");
+            } else {
+                tracing::warn!(outputs = failed.len(), round, %error, "outputs not confirmed; publishing them again");
+            }
+            // All of a round's outputs are published again together: one at a time, a backlog of
+            // them (every output published while a stream had no leader) would take minutes.
+            let backoff = Duration::from_millis(100 * u64::from(round.min(10)));
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = self.stopping.cancelled() => {
+                    tracing::warn!(outputs = failed.len(), %error, "stopping with outputs whose storage is not confirmed");
+                    return false;
                 }
-                attempt += 1;
-                if attempt > CONFIRM_ATTEMPTS {
-                    all = false;
-                    tracing::error!(subject = %output.subject, error = %e, "an output was not confirmed");
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100 * u64::from(attempt.min(10)))).await;
-                result = match js
+            }
+            pending = Vec::with_capacity(failed.len());
+            for (output, _) in failed {
+                let sent = js
                     .publish_with_headers(output.subject.clone(), output.headers.clone(), output.payload.clone())
-                    .await
-                {
-                    Ok(confirmation) => confirmation.await,
-                    Err(e) => Err(e),
-                };
+                    .await;
+                pending.push(Unconfirmed { sent, output });
             }
         }
-        all
     }
 
     /// Acknowledges a JetStream input message (nothing for core NATS input).
@@ -472,25 +512,41 @@ impl ShardSink<Envelope> for NatsSink {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some(js) => {
                 let stream_id = publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id);
-                match js.publish_with_headers(subject.clone(), headers.clone(), publication.payload.clone()).await {
-                    Ok(confirmation) => {
+                let payload = publication.payload;
+                let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
+                let retry = match &sent {
+                    Ok(_) => {
                         self.metrics.count_published(kind);
-                        let unconfirmed = Unconfirmed { confirmation, subject, headers, payload: publication.payload };
-                        self.unconfirmed.entry(stream_id.into()).or_default().push(unconfirmed);
-                        self.unconfirmed_total += 1;
-                        if self.unconfirmed_total >= MAX_UNCONFIRMED {
-                            for (stream, pending) in std::mem::take(&mut self.unconfirmed) {
-                                if !self.await_confirmations(pending).await {
-                                    self.unconfirmed_failures.insert(stream);
-                                }
-                            }
-                            self.unconfirmed_total = 0;
-                        }
+                        true
                     }
-                    Err(e) => {
+                    Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                        // It can never be sent, so publishing it again would hold the worker for
+                        // good: reported and dropped, as with core NATS output.
                         self.metrics.count_publish_error(kind);
                         tracing::error!(%subject, error = %e, "publish failed");
+                        false
                     }
+                    // Sending failed (too many confirmations in flight, a reconnect): it is
+                    // published again with the unconfirmed outputs, and its stream's input is
+                    // not acknowledged before it is stored.
+                    Err(e) => {
+                        self.metrics.count_publish_error(kind);
+                        tracing::warn!(%subject, error = %e, "publish failed; it will be published again");
+                        true
+                    }
+                };
+                if retry {
+                    let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload } };
+                    self.unconfirmed.entry(stream_id.into()).or_default().push(unconfirmed);
+                    self.unconfirmed_total += 1;
+                }
+                if self.unconfirmed_total >= MAX_UNCONFIRMED {
+                    for (stream, pending) in std::mem::take(&mut self.unconfirmed) {
+                        if !self.await_confirmations(pending).await {
+                            self.unconfirmed_failures.insert(stream);
+                        }
+                    }
+                    self.unconfirmed_total = 0;
                 }
             }
         }
@@ -543,13 +599,17 @@ impl ShardSink<Envelope> for NatsSink {
 
     async fn stream_closed(&mut self, stream_id: &str) {
         // Core publishes: the stream's outputs went out before these acks on the same connection.
-        // JetStream: their storage is confirmed first; if it was not, the input stays
-        // unacknowledged so that it is processed again.
+        // JetStream: their storage is confirmed first, however long that takes; only when the
+        // service stops first does the input stay unacknowledged, for the next owner to process
+        // it again.
         let pending = self.unconfirmed.remove(stream_id).unwrap_or_default();
         self.unconfirmed_total -= pending.len();
         let stored = self.await_confirmations(pending).await;
         if !stored || self.unconfirmed_failures.remove(stream_id) {
-            tracing::error!(stream_id, "outputs not confirmed; leaving the stream's input unacknowledged");
+            tracing::warn!(
+                stream_id,
+                "outputs not confirmed before shutdown; leaving the stream's input unacknowledged"
+            );
             self.held.remove(stream_id);
             return;
         }
@@ -589,6 +649,66 @@ impl ShardSink<Envelope> for NatsSink {
     async fn flush(&mut self) {
         if let Err(e) = self.client.flush().await {
             tracing::error!(error = %e, "flush failed");
+        }
+    }
+}
+
+/// Awaits the confirmations of `outputs` and returns those not stored, each with its error.
+/// Outputs whose subject no stream captures are left out: nothing downstream stores them, so
+/// there is nothing to confirm.
+async fn unstored(js: &async_nats::jetstream::Context, outputs: Vec<Unconfirmed>) -> Vec<(Output, PublishError)> {
+    // Awaited together: each confirmation's timeout starts when it is awaited, so awaiting them
+    // one after the other would take a timeout per output when the server does not answer.
+    let results = futures::future::join_all(outputs.into_iter().map(|Unconfirmed { sent, output }| async move {
+        let stored = match sent {
+            Ok(confirmation) => confirmation.await.map(drop),
+            Err(e) => Err(e),
+        };
+        (output, stored)
+    }))
+    .await;
+    let mut failed = Vec::new();
+    // One JetStream API request per subject and round, not per output.
+    let mut captured: HashMap<String, bool> = HashMap::new();
+    for (output, stored) in results {
+        let Err(error) = stored else { continue };
+        // Neither error tells whether a stream captures the subject. async-nats reports the
+        // server's "no responders" status as `StreamNotFound`; the server sends it when nothing
+        // listens on the subject, which is also the case while a stream that captures it has no
+        // leader (only the leader listens on the stream's subjects, and an R3 stream whose
+        // leader's node stopped takes seconds to elect another): taking it for "no stream" there
+        // acknowledged input whose outputs were never stored. A timeout comes from a stream that
+        // did not answer in time, or from core subscribers that never answer when there is no
+        // stream. Only the JetStream API, which knows every stream, tells these apart.
+        if matches!(error.kind(), PublishErrorKind::StreamNotFound | PublishErrorKind::TimedOut) {
+            let captures = match captured.get(output.subject.as_str()) {
+                Some(&captures) => captures,
+                None => {
+                    let captures = stream_captures(js, &output.subject).await;
+                    captured.insert(output.subject.to_string(), captures);
+                    captures
+                }
+            };
+            if !captures {
+                continue;
+            }
+        }
+        failed.push((output, error));
+    }
+    failed
+}
+
+/// Whether a JetStream stream may capture `subject`: false only when the JetStream API answers
+/// that none does. An API that does not answer (its meta leader is being elected) counts as
+/// "may", so that the output is published again rather than given up as having nowhere to go.
+async fn stream_captures(js: &async_nats::jetstream::Context, subject: &str) -> bool {
+    use async_nats::jetstream::context::GetStreamByNameErrorKind;
+    match js.stream_by_subject(subject).await {
+        Ok(_) => true,
+        Err(e) if e.kind() == GetStreamByNameErrorKind::NotFound => false,
+        Err(e) => {
+            tracing::debug!(%subject, error = %e, "cannot tell whether a stream captures the subject");
+            true
         }
     }
 }
