@@ -52,6 +52,10 @@ use structured_sink::config::Config;
 use structured_sink::service::RunningService;
 use structured_sink::shard::table::{StreamTable, TableLimits};
 
+/// The same global allocator as the `structured-sink` binary, for the service and the relay alike.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 // ---------------------------------------------------------------------------------------------
 // Command line.
 

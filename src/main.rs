@@ -7,6 +7,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use structured_sink::config::Config;
 
+/// mimalloc: events are decoded on the dispatcher's thread and freed on a shard worker's, a
+/// pattern glibc's allocator handles poorly (see BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Filters structured blocks out of streamed LLM text on NATS and republishes the visible text
 /// and typed events.
 #[derive(Parser)]

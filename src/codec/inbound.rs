@@ -14,6 +14,7 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 /// Why a payload is not an acceptable event. Safe to log: no payload text is included.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -163,8 +164,10 @@ struct Wire<'a> {
     correlation: Option<WireCorrelation<'a>>,
     #[serde(borrow, default)]
     delta: Option<Str<'a>>,
+    /// Cumulative on deltas (`text-delta`), whole on finals: kept raw and decoded only for the
+    /// events that use it, so a delta does not unescape and copy the whole text so far.
     #[serde(borrow, default)]
-    text: Option<Str<'a>>,
+    text: Option<&'a RawValue>,
     #[serde(borrow, default)]
     finish_reason: Option<Str<'a>>,
 }
@@ -242,18 +245,37 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
             field: "delta",
         })?),
         "final" => EventAction::Finish {
-            text: cow(wire.text),
+            text: whole_text(payload, wire.text)?,
             reason: non_empty(meta.stop_reason).unwrap_or(Cow::Borrowed("stop")),
         },
         "text-segment-finished" => EventAction::Finish {
-            text: cow(wire.text),
+            text: whole_text(payload, wire.text)?,
             reason: non_empty(wire.finish_reason).unwrap_or(Cow::Borrowed("stop")),
         },
-        "interrupt" => EventAction::Finish { text: cow(wire.text), reason: Cow::Borrowed("interrupt") },
+        "interrupt" => {
+            EventAction::Finish { text: whole_text(payload, wire.text)?, reason: Cow::Borrowed("interrupt") }
+        }
         "error" => EventAction::Finish { text: None, reason: Cow::Borrowed("error") },
         _ => EventAction::PassThrough,
     };
     Ok(InboundEvent { kind, stream, action })
+}
+
+/// Decodes the `text` field of a finishing event, kept raw by the first pass. An error is a wrong
+/// field type, positioned in the whole payload.
+fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a RawValue>) -> Result<Option<Cow<'a, str>>, DecodeError> {
+    let Some(raw) = raw else { return Ok(None) };
+    match serde_json::from_str::<Str<'a>>(raw.get()) {
+        Ok(text) => Ok(Some(text.0)),
+        Err(_) => {
+            // `raw` borrows from `payload`: its offset gives the position.
+            let offset = (raw.get().as_ptr() as usize).saturating_sub(payload.as_ptr() as usize).min(payload.len());
+            let before = &payload[..offset];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            let column = offset - before.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
+            Err(DecodeError::WrongFieldType { line, column })
+        }
+    }
 }
 
 /// Maps a serde error to a reason that quotes nothing from the payload.
@@ -369,5 +391,22 @@ mod tests {
         let long = format!(r#"{{"type":"partial","meta":{{"message_id":"{}"}},"delta":"x"}}"#, "m".repeat(10_000));
         assert_eq!(decode(long.as_bytes(), 1 << 20).unwrap_err().code(), "invalid_message_id");
         assert_eq!(decode(b"{}", 1).unwrap_err(), DecodeError::TooLarge { size: 2, limit: 1 });
+    }
+
+    #[test]
+    fn text_is_decoded_only_for_finishing_events() {
+        // A delta's cumulative text is not decoded: not even a wrong type fails it.
+        let delta = r#"{"type":"text-delta","meta":{"message_id":"m"},"delta":"x","text":42}"#;
+        assert_eq!(decode(delta.as_bytes(), 1 << 20).unwrap().action, EventAction::Delta("x".into()));
+        let fin = r#"{"type":"text-segment-finished","meta":{"message_id":"m"},"text":"a\nb"}"#;
+        let EventAction::Finish { text, .. } = decode(fin.as_bytes(), 1 << 20).unwrap().action else { panic!() };
+        assert_eq!(text.as_deref(), Some("a\nb"));
+        let null = r#"{"type":"final","meta":{"message_id":"m"},"text":null}"#;
+        assert_eq!(
+            decode(null.as_bytes(), 1 << 20).unwrap().action,
+            EventAction::Finish { text: None, reason: "stop".into() }
+        );
+        let wrong = "{\"type\":\"final\",\n\"meta\":{\"message_id\":\"m\"},\"text\":[1]}";
+        assert_eq!(decode(wrong.as_bytes(), 1 << 20), Err(DecodeError::WrongFieldType { line: 2, column: 34 }));
     }
 }
