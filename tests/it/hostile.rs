@@ -395,3 +395,40 @@ async fn payload_text_never_reaches_logs_spans_or_metric_labels() {
     assert!(leaks.is_empty(), "payload text in {} log lines:\n{}", leaks.len(), leaks.join("\n"));
     assert!(!counters.contains(m), "payload text in the metrics: {counters}");
 }
+
+#[tokio::test]
+async fn a_publish_the_account_may_not_make_is_counted_and_the_rest_flows() {
+    let server = NatsServer::builder()
+        .config(
+            r#"authorization { users = [
+                { user: "svc", password: "pw", permissions: { publish: { deny: ["chat.structured.>"] } } },
+                { user: "app", password: "pw" }
+            ] }"#,
+        )
+        .start();
+    let url = server.url();
+    let mut config = test_config(&url);
+    config.nats.user = Some("svc".into());
+    config.nats.password = Some("pw".into());
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::ConnectOptions::with_user_and_password("app".into(), "pw".into())
+        .connect(url.as_str())
+        .await
+        .unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+
+    let text = "a <myapp:ModeSwitch:v1>new_mode: x</myapp:ModeSwitch:v1> b";
+    client.publish("chat", partial("denied", text).into()).await.unwrap();
+    client.publish("chat", final_event("denied").into()).await.unwrap();
+    let out = collect(&mut filtered, Duration::from_secs(5), |ms| final_of(ms, "denied").is_some()).await;
+    // The violation comes back asynchronously from the server.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while service.metrics().snapshot().nats_connection_events["permission_violation"] == 0 {
+        assert!(Instant::now() < deadline, "the permission violation was never counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(service.is_ready(), "a denied publish does not stop the service");
+    service.shutdown().await.unwrap();
+    assert_eq!(visible(&out, "denied"), "a  b", "allowed outputs still flow");
+}
