@@ -119,6 +119,8 @@ label_enum! {
         StreamFinished => "stream_finished",
         /// A message id that cannot be used (for example in a `Nats-Msg-Id`).
         InvalidMessageId => "invalid_message_id",
+        /// Processing the event failed (a bug); its stream was discarded.
+        InternalError => "internal_error",
     }
 }
 
@@ -163,6 +165,8 @@ label_enum! {
         Evicted => "evicted",
         /// Closed by a graceful shutdown.
         Shutdown => "shutdown",
+        /// Discarded after processing one of its events failed.
+        Failed => "failed",
     }
 }
 

@@ -56,6 +56,8 @@ pub struct TableStats {
     pub closed_at_shutdown: u64,
     /// Events for streams that had finished.
     pub late_events: u64,
+    /// Streams discarded after processing one of their events failed ([`StreamTable::discard`]).
+    pub failed: u64,
     /// Typed conversions of completed blocks that failed.
     pub typed: EncoderStats,
 }
@@ -82,6 +84,10 @@ pub struct StreamTable {
     /// Streams closed since the last [`StreamTable::take_closed`].
     closed: Vec<Box<str>>,
     stats: TableStats,
+    /// Test hook: a delta with exactly this text panics inside [`StreamTable::apply`], to test
+    /// what the worker does when processing fails.
+    #[cfg(test)]
+    pub(crate) panic_on_delta: Option<&'static str>,
 }
 
 impl StreamTable {
@@ -95,6 +101,8 @@ impl StreamTable {
             finished: LinkedHashSet::new(),
             closed: Vec::new(),
             stats: TableStats::default(),
+            #[cfg(test)]
+            panic_on_delta: None,
         }
     }
 
@@ -146,6 +154,10 @@ impl StreamTable {
                 Disposition::Duplicate
             }
             EventAction::Delta(delta) => {
+                #[cfg(test)]
+                if self.panic_on_delta == Some(delta.as_ref()) {
+                    panic!("injected failure");
+                }
                 self.ensure_open(event, now, sink, opened);
                 let (pipeline, encoder) = (&mut self.pipeline, &mut self.encoder);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
@@ -192,6 +204,22 @@ impl StreamTable {
     /// The streams closed (finished, expired, evicted, shut down) since the last call, in order.
     pub fn take_closed(&mut self) -> Vec<Box<str>> {
         std::mem::take(&mut self.closed)
+    }
+
+    /// Drops the state of `stream_id` without publishing anything, after processing one of its
+    /// events failed (its state may be half-updated). It counts as finished: later events of it
+    /// are late, and the caller is told it closed (so held input is released).
+    pub fn discard(&mut self, stream_id: &str) {
+        if self.streams.remove(stream_id).is_some() {
+            self.stats.failed += 1;
+        }
+        self.closed.push(stream_id.into());
+        if self.limits.finished_memory > 0 {
+            if self.finished.len() >= self.limits.finished_memory {
+                self.finished.pop_front();
+            }
+            self.finished.insert(stream_id.into());
+        }
     }
 
     /// Forgets every open stream without closing it (no outputs): the JetStream shutdown path,

@@ -181,7 +181,25 @@ async fn run_worker<E, S>(
                 let now = tokio::time::Instant::now().into_std();
                 let sequence = sink.sequence(&envelope);
                 let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
-                match table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened) {
+                // A bug must cost one stream, not the shard: a panic while applying an event
+                // discards that stream's (possibly half-updated) state and dead-letters the
+                // event, and the worker goes on with its other streams. Outputs the event had
+                // produced are dropped with it.
+                let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened)
+                }));
+                let Ok(disposition) = applied else {
+                    outputs.clear();
+                    table.discard(&event.stream.stream_id);
+                    tracing::error!(shard, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
+                    sink.dead_letter(envelope, "internal_error").await;
+                    for id in table.take_closed() {
+                        sink.stream_closed(&id).await;
+                    }
+                    sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
+                    continue;
+                };
+                match disposition {
                     Disposition::Applied | Disposition::Duplicate => {
                         for p in outputs.drain(..) {
                             sink.publish(p, Some(&envelope)).await;
@@ -312,6 +330,35 @@ mod tests {
         set.route(ShardEvent { event: event(json), envelope: 2 }).await.unwrap();
         set.shutdown().await;
         assert!(log.0.lock().unwrap().contains(&"dead 2 stream_finished".to_owned()));
+    }
+
+    #[tokio::test]
+    async fn a_failure_inside_one_stream_costs_that_stream_only() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let mut table = table(Duration::from_secs(60));
+            table.panic_on_delta = Some("boom");
+            (table, log.clone())
+        });
+        let delta = |id: &str, text: &str| {
+            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#))
+        };
+        let fin = |id: &str| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#));
+        set.route(ShardEvent { event: delta("bad", "before "), envelope: 1 }).await.unwrap();
+        set.route(ShardEvent { event: delta("good", "a "), envelope: 2 }).await.unwrap();
+        set.route(ShardEvent { event: delta("bad", "boom"), envelope: 3 }).await.unwrap();
+        set.route(ShardEvent { event: delta("bad", "after"), envelope: 4 }).await.unwrap();
+        set.route(ShardEvent { event: delta("good", "b"), envelope: 5 }).await.unwrap();
+        set.route(ShardEvent { event: fin("good"), envelope: 6 }).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
+        assert!(position("dead 3 internal_error") < position("closed bad"), "{log:?}");
+        assert!(log.contains(&"dead 4 stream_finished".to_owned()), "later events of it are late: {log:?}");
+        let good: Vec<&String> = log.iter().filter(|l| l.contains(" good:")).collect();
+        assert_eq!(good.len(), 3, "the other stream is untouched: {log:?}");
+        assert!(log.contains(&"closed good".to_owned()));
+        assert!(!log.iter().any(|l| l.contains(" bad:2 ")), "nothing of the failed event is published: {log:?}");
     }
 
     #[test]
