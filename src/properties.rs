@@ -165,16 +165,8 @@ pub fn chunking_invariance(input: &[u8], cuts: &[usize], restore: bool, unescape
         let mut pipeline = Pipeline::new(tags(), limits).expect("valid tags");
         let mut stream = StreamState::new();
         let mut sink = Recorder::default();
-        let mut points: Vec<usize> = cuts.iter().map(|&c| c.min(text.len())).collect();
-        for p in &mut points {
-            while !text.is_char_boundary(*p) {
-                *p -= 1;
-            }
-        }
-        points.push(text.len());
-        points.sort_unstable();
         let mut last = 0;
-        for cut in points {
+        for cut in char_cuts(text, cuts) {
             pipeline.feed(&mut stream, &text[last..cut], &mut sink);
             last = cut;
         }
