@@ -340,34 +340,25 @@ impl Default for PartitionConfig {
 }
 
 impl PartitionConfig {
+    /// The partitions a replica stands by for with `jetstream.pinned_client`: `standby` (numbers
+    /// or ranges, `jetstream.standby`), or every partition when it is empty; never those it owns.
+    pub fn standby_partitions(&self, standby: &[String]) -> Result<Vec<u32>, ConfigError> {
+        let owned = self.owned_partitions()?;
+        let candidates = if standby.is_empty() {
+            (0..self.count).collect()
+        } else {
+            parse_partition_ranges("jetstream.standby", standby, self.count)?
+        };
+        Ok(candidates.into_iter().filter(|p| owned.binary_search(p).is_err()).collect())
+    }
+
     /// The partitions this replica owns, sorted; validated ranges.
     pub fn owned_partitions(&self) -> Result<Vec<u32>, ConfigError> {
         if self.count == 0 {
             return Err(ConfigError::invalid("partitions.count", "must be greater than 0"));
         }
         if !self.owned.is_empty() {
-            let mut owned = Vec::new();
-            for item in &self.owned {
-                let bad = || {
-                    ConfigError::invalid("partitions.owned", format!("{item:?} is not N or N-M below {}", self.count))
-                };
-                let (lo, hi) = match item.split_once('-') {
-                    Some((lo, hi)) => {
-                        (lo.trim().parse::<u32>().map_err(|_| bad())?, hi.trim().parse::<u32>().map_err(|_| bad())?)
-                    }
-                    None => {
-                        let n = item.trim().parse::<u32>().map_err(|_| bad())?;
-                        (n, n)
-                    }
-                };
-                if lo > hi || hi >= self.count {
-                    return Err(bad());
-                }
-                owned.extend(lo..=hi);
-            }
-            owned.sort_unstable();
-            owned.dedup();
-            return Ok(owned);
+            return parse_partition_ranges("partitions.owned", &self.owned, self.count);
         }
         if self.replica_count > 0 {
             if self.replica_index >= self.replica_count {
@@ -380,6 +371,31 @@ impl PartitionConfig {
         }
         Ok((0..self.count).collect())
     }
+}
+
+/// Partitions given as numbers or inclusive ranges (`["0-15", "32"]`) below `count`, sorted and
+/// without repeats; `key` names the setting in errors.
+fn parse_partition_ranges(key: &'static str, items: &[String], count: u32) -> Result<Vec<u32>, ConfigError> {
+    let mut partitions = Vec::new();
+    for item in items {
+        let bad = || ConfigError::invalid(key, format!("{item:?} is not N or N-M below {count}"));
+        let (lo, hi) = match item.split_once('-') {
+            Some((lo, hi)) => {
+                (lo.trim().parse::<u32>().map_err(|_| bad())?, hi.trim().parse::<u32>().map_err(|_| bad())?)
+            }
+            None => {
+                let n = item.trim().parse::<u32>().map_err(|_| bad())?;
+                (n, n)
+            }
+        };
+        if lo > hi || hi >= count {
+            return Err(bad());
+        }
+        partitions.extend(lo..=hi);
+    }
+    partitions.sort_unstable();
+    partitions.dedup();
+    Ok(partitions)
 }
 
 /// Durable input through JetStream.
@@ -404,10 +420,18 @@ pub struct JetStreamConfig {
     /// Unacknowledged messages per consumer; delivery stalls at it. Must exceed the events of all
     /// streams open at once in one partition.
     pub max_ack_pending: i64,
-    /// With server 2.11 or later: use a pinned-client priority group, so that a standby replica
-    /// takes a partition over automatically when the pinned one goes away. Ignored (with a warning)
-    /// on older servers, which would silently ignore the setting.
+    /// Subject mode, server 2.11 or later: the partition consumers use a pinned-client priority
+    /// group shared by every replica. The server delivers each partition to one pinned replica; the
+    /// others wait on standby and one of them takes the partition over when the pinned replica has
+    /// not pulled for `pinned_ttl_ms`. Start-up stops with an error on an older server (servers
+    /// before 2.11 would accept the consumer setting and silently ignore it).
     pub pinned_client: bool,
+    /// With `pinned_client`: how long a pinned replica may go without pulling before the server
+    /// moves its partition's pin to a standby replica (the takeover delay after a crash).
+    pub pinned_ttl_ms: u64,
+    /// With `pinned_client`: the partitions this replica stands by for, besides those it owns, as
+    /// numbers or inclusive ranges (`["0-15", "32"]`). Empty: every partition it does not own.
+    pub standby: Vec<String>,
 }
 
 impl Default for JetStreamConfig {
@@ -423,6 +447,8 @@ impl Default for JetStreamConfig {
             ack_wait_ms: 600_000,
             max_ack_pending: 100_000,
             pinned_client: false,
+            pinned_ttl_ms: 30_000,
+            standby: Vec::new(),
         }
     }
 }
@@ -599,6 +625,21 @@ impl Config {
         }
         if self.jetstream.enabled && self.jetstream.stream.is_empty() {
             return Err(ConfigError::invalid("jetstream.stream", "must not be empty"));
+        }
+        if self.jetstream.pinned_client {
+            // Only subject mode has consumers shared by the replicas (one per partition); in the
+            // other modes each replica reads everything through a consumer of its own.
+            if !self.jetstream.enabled || self.partitions.mode != PartitionMode::Subject {
+                return Err(ConfigError::invalid(
+                    "jetstream.pinned_client",
+                    "needs jetstream.enabled = true and partitions.mode = \"subject\"",
+                ));
+            }
+            // Pulls are renewed every third of the TTL: below a second that is too tight.
+            if self.jetstream.pinned_ttl_ms < 1_000 {
+                return Err(ConfigError::invalid("jetstream.pinned_ttl_ms", "must be at least 1000"));
+            }
+            self.partitions.standby_partitions(&self.jetstream.standby)?;
         }
         if self.pipeline.max_capture_bytes == 0 {
             return Err(ConfigError::invalid("pipeline.max_capture_bytes", "must be greater than 0"));
@@ -790,6 +831,37 @@ mod tests {
         for bad in [p(&["8"], 0, 0), p(&["3-1"], 0, 0), p(&["x"], 0, 0), p(&[], 3, 3)] {
             let err = bad.owned_partitions().unwrap_err().to_string();
             assert!(err.contains("partitions."), "{err}");
+        }
+    }
+
+    #[test]
+    fn standby_partitions_exclude_the_owned_ones() {
+        let p = PartitionConfig { count: 8, replica_index: 1, replica_count: 2, ..PartitionConfig::default() };
+        assert_eq!(p.standby_partitions(&[]).unwrap(), vec![0, 2, 4, 6]);
+        assert_eq!(p.standby_partitions(&["0-3".into()]).unwrap(), vec![0, 2]);
+        let err = p.standby_partitions(&["9".into()]).unwrap_err().to_string();
+        assert!(err.contains("jetstream.standby"), "{err}");
+    }
+
+    #[test]
+    fn pinned_client_needs_jetstream_subject_mode_and_a_sane_ttl() {
+        let config = |mode: PartitionMode, enabled: bool, ttl: u64| {
+            let mut c = Config::default();
+            c.partitions.mode = mode;
+            c.jetstream.enabled = enabled;
+            c.jetstream.pinned_client = true;
+            c.jetstream.pinned_ttl_ms = ttl;
+            c.validated()
+        };
+        assert!(config(PartitionMode::Subject, true, 30_000).is_ok());
+        for (mode, enabled, ttl, key) in [
+            (PartitionMode::Filter, true, 30_000, "jetstream.pinned_client"),
+            (PartitionMode::None, true, 30_000, "jetstream.pinned_client"),
+            (PartitionMode::Subject, false, 30_000, "jetstream.pinned_client"),
+            (PartitionMode::Subject, true, 999, "jetstream.pinned_ttl_ms"),
+        ] {
+            let err = config(mode, enabled, ttl).unwrap_err().to_string();
+            assert!(err.contains(key), "{mode:?} {enabled} {ttl}: {err}");
         }
     }
 

@@ -13,10 +13,17 @@
 //! event's stream has ended (see [`super::NatsSink`]). At start-up each consumer is recreated at
 //! its ack floor, so that everything not acknowledged is delivered again in stream order and the
 //! streams that were open when the previous owner stopped are rebuilt from their first event.
+//!
+//! JetStream with `jetstream.pinned_client` (server 2.11 or later): the partition consumers are
+//! shared by every replica through a pinned-client priority group, so they cannot be recreated at
+//! start-up. Each replica pulls from the partitions it owns and, on standby, from the others; the
+//! server delivers each partition to its pinned replica only. A replica that becomes pinned
+//! rebuilds the open streams by reading the stream from the consumer's ack floor (see [`Pinned`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_nats::header::NATS_PIN_ID;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use bytes::Bytes;
@@ -127,8 +134,66 @@ pub enum Source {
     /// A core NATS subscription.
     Core(async_nats::Subscriber),
     /// A JetStream pull consumer and its message stream.
-    JetStream(Box<(jetstream::consumer::PullConsumer, pull::Stream)>),
+    JetStream(Box<JetStreamSource>),
 }
+
+/// A partition's pull consumer, and with `jetstream.pinned_client` what it takes to take the
+/// partition over from another replica.
+pub struct JetStreamSource {
+    consumer: jetstream::consumer::PullConsumer,
+    /// `None` until the first pull (a standby replica waits a moment before pulling).
+    messages: Option<pull::Stream>,
+    /// Set for pinned-client consumers.
+    pinned: Option<Pinned>,
+}
+
+/// The priority group every replica pulls a pinned-client partition consumer through.
+const PRIORITY_GROUP: &str = "sink";
+
+/// How long a replica waits before pulling a partition it only stands by for, so that at a normal
+/// start the server pins each partition to its owner (the first client to pull gets the pin).
+const STANDBY_DELAY: Duration = Duration::from_secs(1);
+
+/// Takeover state of a pinned-client partition consumer.
+///
+/// The server delivers a partition to one pinned pull client at a time. When the pin moves here
+/// (the previous client died, or stopped pulling for `pinned_ttl_ms`), the messages the previous
+/// client received and did not acknowledge are still pending: the server redelivers them only
+/// after `ack_wait`, after newer messages, so the streams that were open there would be rebuilt
+/// from the middle. Instead, on the first delivery under a new pin id this replica reads the
+/// partition's messages from the consumer's ack floor + 1 up to its delivered sequence straight
+/// from the stream, in order, through an ephemeral ordered consumer, and only then goes on with the
+/// consumer's deliveries. A delivery at or below that sequence was rebuilt already: it is marked as
+/// a redelivery, so the table skips it by stream sequence (or, for a stream that has ended, the
+/// sink acknowledges it as delivered twice) and its ack is held like any other.
+struct Pinned {
+    stream: stream::Stream,
+    subject: String,
+    /// Pull expiry: well below the pin TTL, since the pin lapses when no pull arrives in time.
+    expires: Duration,
+    /// Wait before the first pull (standby partitions only).
+    delay: Option<Duration>,
+    /// The pin id of the latest delivery: `None` before the first and after a new pull stream.
+    pin: Option<String>,
+    /// Deliveries at or below this stream sequence have been rebuilt from the stream.
+    rebuilt_through: u64,
+    /// A rebuild in progress.
+    rebuild: Option<Rebuild>,
+}
+
+/// A takeover's read of the stream.
+struct Rebuild {
+    /// The ordered read from the ack floor + 1; `None` once it has reached `through`.
+    reader: Option<pull::Ordered>,
+    /// The last stream sequence to read: the consumer's delivered sequence at the takeover.
+    through: u64,
+    /// The delivery that revealed the new pin, handed on after the rebuilt messages.
+    revealed: Envelope,
+}
+
+/// How long a takeover's stream read may go without a message before the messages up to its
+/// delivered sequence count as gone (removed by the stream's limits since they were delivered).
+const REBUILD_IDLE: Duration = Duration::from_secs(5);
 
 /// Opens the sources of this replica: subscriptions, or JetStream consumers.
 pub async fn open_sources(
@@ -154,6 +219,25 @@ pub async fn open_sources(
     open_consumers(client, config, ownership, subjects).await
 }
 
+/// The first server version with pinned-client priority groups.
+const PRIORITY_GROUPS_SINCE: (u32, u32, u32) = (2, 11, 0);
+
+/// Refuses `jetstream.pinned_client` on a server older than 2.11 (or one whose version cannot be
+/// read): such a server accepts the consumer's priority settings and silently ignores them, so
+/// every replica would consume every partition it stands by for.
+pub fn check_pinned_client_support(config: &Config, server_version: &str) -> Result<(), ServiceError> {
+    if !config.jetstream.pinned_client {
+        return Ok(());
+    }
+    match crate::bus::parse_server_version(server_version) {
+        Some(version) if version >= PRIORITY_GROUPS_SINCE => Ok(()),
+        _ => Err(ServiceError::JetStream(format!(
+            "jetstream.pinned_client needs nats-server 2.11 or later (pinned-client priority groups), but the \
+             server reports version {server_version:?}; upgrade the server or set jetstream.pinned_client = false"
+        ))),
+    }
+}
+
 async fn open_consumers(
     client: &async_nats::Client,
     config: &Config,
@@ -163,6 +247,8 @@ async fn open_consumers(
     let js = jetstream::new(client.clone());
     let cfg = &config.jetstream;
     let js_error = |what: &str, e: &dyn std::fmt::Display| ServiceError::JetStream(format!("{what}: {e}"));
+    // Before anything is created: a refused start-up leaves the server as it was.
+    check_pinned_client_support(config, &client.server_info().version)?;
     let stream_subjects = match config.partitions.mode {
         PartitionMode::Subject => vec![format!("{}.p.*.*", config.partitions.subject_prefix)],
         PartitionMode::None | PartitionMode::Filter => config.input.subjects.clone(),
@@ -181,12 +267,8 @@ async fn open_consumers(
             .await
             .map_err(|e| js_error(&format!("stream {} (jetstream.create_stream is false)", cfg.stream), &e))?
     };
-    let version = crate::bus::server_version(client);
     if cfg.pinned_client {
-        tracing::warn!(
-            ?version,
-            "jetstream.pinned_client is not supported yet: each partition has one owner replica; ignoring it"
-        );
+        return open_pinned_consumers(config, ownership, &stream).await;
     }
     let mut sources = Vec::new();
     let names: Vec<(String, String)> = match config.partitions.mode {
@@ -221,7 +303,71 @@ async fn open_consumers(
             stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         let messages = consumer.messages().await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        sources.push((subject, Source::JetStream(Box::new((consumer, messages)))));
+        let source = JetStreamSource { consumer, messages: Some(messages), pinned: None };
+        sources.push((subject, Source::JetStream(Box::new(source))));
+    }
+    Ok(sources)
+}
+
+/// `jetstream.pinned_client`: one pinned-client consumer per partition, shared by every replica,
+/// pulled from for the owned partitions at once and for the standby partitions after
+/// [`STANDBY_DELAY`]. Consumers are never deleted here (other replicas are pulling from them); a
+/// consumer left from a deployment without `pinned_client` is replaced once, at its ack floor.
+async fn open_pinned_consumers(
+    config: &Config,
+    ownership: &Ownership,
+    stream: &stream::Stream,
+) -> Result<Vec<(String, Source)>, ServiceError> {
+    use jetstream::consumer::{DeliverPolicy, PriorityPolicy};
+    let cfg = &config.jetstream;
+    let js_error = |what: &str, e: &dyn std::fmt::Display| ServiceError::JetStream(format!("{what}: {e}"));
+    let ttl = Duration::from_millis(cfg.pinned_ttl_ms);
+    let owned = ownership.partitions();
+    let standby = config.partitions.standby_partitions(&cfg.standby)?;
+    let mut sources = Vec::new();
+    for (partition, is_owner) in owned.iter().map(|p| (*p, true)).chain(standby.iter().map(|p| (*p, false))) {
+        let name = format!("{}-p{partition}", cfg.consumer_prefix);
+        let subject = ownership.partition_subject(partition);
+        let existing: Option<jetstream::consumer::PullConsumer> = stream.get_consumer(&name).await.ok();
+        let consumer = match existing {
+            Some(consumer) if consumer.cached_info().config.priority_policy == PriorityPolicy::PinnedClient => consumer,
+            existing => {
+                let deliver_policy = match existing {
+                    Some(_) => match restart_point(stream, &name).await {
+                        Some(start_sequence) => DeliverPolicy::ByStartSequence { start_sequence },
+                        None => DeliverPolicy::All,
+                    },
+                    None => DeliverPolicy::All,
+                };
+                // Replicas starting together create the same configuration, which the server
+                // accepts as one consumer.
+                let consumer_config = pull::Config {
+                    durable_name: Some(name.clone()),
+                    filter_subject: subject.clone(),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: Duration::from_millis(cfg.ack_wait_ms),
+                    max_ack_pending: cfg.max_ack_pending,
+                    deliver_policy,
+                    priority_policy: PriorityPolicy::PinnedClient,
+                    priority_groups: vec![PRIORITY_GROUP.to_owned()],
+                    priority_timeout: ttl,
+                    ..Default::default()
+                };
+                stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?
+            }
+        };
+        tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
+        let pinned = Pinned {
+            stream: stream.clone(),
+            subject: subject.clone(),
+            expires: ttl / 3,
+            delay: (!is_owner).then_some(STANDBY_DELAY),
+            pin: None,
+            rebuilt_through: 0,
+            rebuild: None,
+        };
+        let source = JetStreamSource { consumer, messages: None, pinned: Some(pinned) };
+        sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
 }
@@ -243,41 +389,192 @@ async fn restart_point(stream: &stream::Stream, name: &str) -> Option<u64> {
 impl Source {
     /// The next envelope; `None` when the source has ended.
     async fn next(&mut self) -> Option<Envelope> {
+        match self {
+            Source::Core(subscriber) => subscriber.next().await.map(Envelope::core),
+            Source::JetStream(source) => Some(source.next().await),
+        }
+    }
+}
+
+impl JetStreamSource {
+    /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
+    async fn next(&mut self) -> Envelope {
         loop {
-            match self {
-                Source::Core(subscriber) => {
-                    let message = subscriber.next().await?;
-                    return Some(Envelope::core(message));
+            if let Some(envelope) = self.next_rebuilt().await {
+                return envelope;
+            }
+            let Some(messages) = self.messages.as_mut() else {
+                self.open().await;
+                continue;
+            };
+            match messages.next().await {
+                None => {
+                    // The pull stream ended (a consumer leader lost with its node, a reconnect):
+                    // open it again. A new pull stream is a new client for the server, so a pin
+                    // held by the old one is gone: the next pin seen here starts a takeover.
+                    tracing::warn!("JetStream pull stream ended; reopening it");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    self.open().await;
                 }
-                Source::JetStream(pair) => match pair.1.next().await {
-                    None => {
-                        // The pull stream ended (a consumer leader lost with its node, a
-                        // reconnect): open it again; only shutdown ends a JetStream source.
-                        tracing::warn!("JetStream pull stream ended; reopening it");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        match pair.0.messages().await {
-                            Ok(messages) => pair.1 = messages,
-                            Err(e) => tracing::warn!(error = %e, "reopening the pull stream failed; retrying"),
+                Some(Ok(message)) => {
+                    let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
+                    let envelope = Envelope::jetstream(message);
+                    match self.pinned.as_mut() {
+                        Some(pinned) if pin.is_some() && pin != pinned.pin => {
+                            pinned.pin = pin;
+                            pinned.start_rebuild(&self.consumer, envelope).await;
                         }
+                        Some(pinned) => return pinned.mark(envelope),
+                        None => return envelope,
                     }
-                    Some(Ok(message)) => {
-                        let (sequence, delivered) =
-                            message.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
-                        let ack = message.message.reply.clone();
-                        let mut envelope = Envelope::core(message.message);
-                        envelope.ack = ack;
-                        envelope.sequence = Some(sequence);
-                        envelope.redelivered = delivered > 1;
-                        return Some(envelope);
-                    }
-                    Some(Err(e)) => {
-                        // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
-                        tracing::warn!(error = %e, "JetStream pull failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                },
+                }
+                Some(Err(e)) => {
+                    // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
+                    tracing::warn!(error = %e, "JetStream pull failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             }
         }
+    }
+
+    /// Shutdown: a replica holding the partition's pin stops pulling and releases the pin, so that a
+    /// standby takes over now instead of after `pinned_ttl_ms` (the unacknowledged input of the
+    /// streams open here is rebuilt there).
+    async fn release(&mut self) {
+        let Some(pinned) = self.pinned.as_ref().filter(|p| p.pin.is_some()) else { return };
+        // Stop pulling first, or the server could pin this replica's waiting pull request again.
+        self.messages = None;
+        let name = &self.consumer.cached_info().name;
+        match pinned.stream.unpin_consumer(name, PRIORITY_GROUP).await {
+            Ok(()) => tracing::info!(consumer = %name, "released the pin"),
+            Err(e) => {
+                tracing::warn!(consumer = %name, error = %e, "releasing the pin failed; it lapses after pinned_ttl_ms")
+            }
+        }
+    }
+
+    /// Opens the pull stream, retrying until it opens.
+    async fn open(&mut self) {
+        if let Some(delay) = self.pinned.as_mut().and_then(|p| p.delay.take()) {
+            tokio::time::sleep(delay).await;
+        }
+        loop {
+            let opened = match &self.pinned {
+                None => self.consumer.messages().await,
+                Some(pinned) => {
+                    self.consumer
+                        .stream()
+                        .group(PRIORITY_GROUP)
+                        .expires(pinned.expires)
+                        .heartbeat(pinned.expires / 4)
+                        .messages()
+                        .await
+                }
+            };
+            match opened {
+                Ok(messages) => {
+                    self.messages = Some(messages);
+                    if let Some(pinned) = self.pinned.as_mut() {
+                        pinned.pin = None;
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "opening the pull stream failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// During a takeover: the next message rebuilt from the stream, then the delivery that
+    /// revealed the pin; `None` when no rebuild is under way.
+    async fn next_rebuilt(&mut self) -> Option<Envelope> {
+        let pinned = self.pinned.as_mut()?;
+        let rebuild = pinned.rebuild.as_mut()?;
+        while let Some(reader) = rebuild.reader.as_mut() {
+            match tokio::time::timeout(REBUILD_IDLE, reader.next()).await {
+                Ok(Some(Ok(message))) => {
+                    let Ok(info) = message.info() else { continue };
+                    let (sequence, pending) = (info.stream_sequence, info.pending);
+                    if sequence > rebuild.through {
+                        rebuild.reader = None;
+                        break;
+                    }
+                    if sequence == rebuild.through || pending == 0 {
+                        rebuild.reader = None;
+                    }
+                    let mut envelope = Envelope::jetstream(message);
+                    // Read, not delivered: its ack goes with the consumer's own redelivery later.
+                    envelope.ack = None;
+                    // Delivered before, to the previous pinned client.
+                    envelope.redelivered = true;
+                    return Some(envelope);
+                }
+                Ok(Some(Err(e))) => {
+                    // The ordered consumer recreates itself after gaps and leader changes.
+                    tracing::warn!(error = %e, subject = %pinned.subject, "reading the stream for a takeover failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Ok(None) | Err(_) => {
+                    tracing::warn!(subject = %pinned.subject, through = rebuild.through, "takeover read ended before the delivered sequence");
+                    rebuild.reader = None;
+                }
+            }
+        }
+        let Rebuild { through, revealed, .. } = pinned.rebuild.take()?;
+        tracing::info!(subject = %pinned.subject, through, "takeover rebuilt; consuming");
+        Some(pinned.mark(revealed))
+    }
+}
+
+impl Pinned {
+    /// A new pin: rebuild everything between the consumer's ack floor and its delivered sequence
+    /// from the stream before handing on `revealed` (the first delivery under the new pin).
+    async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer, revealed: Envelope) {
+        use jetstream::consumer::DeliverPolicy;
+        let (floor, delivered) = loop {
+            match consumer.get_info().await {
+                Ok(info) => break (info.ack_floor.stream_sequence, info.delivered.stream_sequence),
+                Err(e) => {
+                    tracing::warn!(error = %e, subject = %self.subject, "consumer info for a takeover failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        tracing::info!(subject = %self.subject, floor, delivered, "pinned to this replica: rebuilding from the ack floor");
+        self.rebuilt_through = self.rebuilt_through.max(delivered);
+        if delivered <= floor {
+            self.rebuild = Some(Rebuild { reader: None, through: delivered, revealed });
+            return;
+        }
+        let config = pull::OrderedConfig {
+            filter_subject: self.subject.clone(),
+            deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: floor + 1 },
+            ..Default::default()
+        };
+        let reader = loop {
+            let opened = match self.stream.create_consumer(config.clone()).await {
+                Ok(reader) => reader.messages().await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match opened {
+                Ok(reader) => break reader,
+                Err(e) => {
+                    tracing::warn!(error = %e, subject = %self.subject, "opening a stream read for a takeover failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        self.rebuild = Some(Rebuild { reader: Some(reader), through: delivered, revealed });
+    }
+
+    /// A delivery of a message already rebuilt counts as a redelivery (see [`Pinned`]).
+    fn mark(&self, mut envelope: Envelope) -> Envelope {
+        if envelope.sequence.is_some_and(|s| s <= self.rebuilt_through) {
+            envelope.redelivered = true;
+        }
+        envelope
     }
 }
 
@@ -300,7 +597,8 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// Runs until the source ends or shutdown; at shutdown a core subscription is drained and
     /// what it delivered is dispatched; a JetStream source simply stops (unacknowledged events
-    /// are delivered again to whoever consumes the partition next).
+    /// are delivered again to whoever consumes the partition next), releasing its pin if it holds
+    /// one.
     pub async fn run(mut self) {
         let shards = self.shards.clone();
         loop {
@@ -311,6 +609,9 @@ impl Dispatcher {
             };
             let Some(envelope) = envelope else { return };
             self.dispatch(&shards, envelope).await;
+        }
+        if let Source::JetStream(source) = &mut self.source {
+            source.release().await;
         }
         if let Source::Core(subscriber) = &mut self.source {
             // async-nats' `drain` forgets the subscription on its next poll without waiting for
@@ -368,6 +669,16 @@ impl Dispatcher {
 }
 
 impl Envelope {
+    fn jetstream(message: jetstream::Message) -> Envelope {
+        let (sequence, delivered) = message.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
+        let ack = message.message.reply.clone();
+        let mut envelope = Envelope::core(message.message);
+        envelope.ack = ack;
+        envelope.sequence = Some(sequence);
+        envelope.redelivered = delivered > 1;
+        envelope
+    }
+
     fn core(message: async_nats::Message) -> Envelope {
         Envelope {
             subject: message.subject,
@@ -377,6 +688,25 @@ impl Envelope {
             ack: None,
             sequence: None,
             redelivered: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_client_is_refused_below_2_11_and_for_unknown_versions() {
+        let mut config = Config::default();
+        assert!(check_pinned_client_support(&config, "2.9.10").is_ok(), "off: any server");
+        config.jetstream.pinned_client = true;
+        for version in ["2.11.0", "v2.11.4", "2.12.0-RC.1", "2.15.1", "3.0.0"] {
+            assert!(check_pinned_client_support(&config, version).is_ok(), "{version}");
+        }
+        for version in ["2.9.10", "2.10.25", "", "unknown"] {
+            let err = check_pinned_client_support(&config, version).unwrap_err().to_string();
+            assert!(err.contains("needs nats-server 2.11") && err.contains(&format!("{version:?}")), "{err}");
         }
     }
 }

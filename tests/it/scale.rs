@@ -194,9 +194,32 @@ kind = "block"
 
 /// A `structured-sink serve` process in JetStream mode, owning all 8 partitions.
 fn spawn_replica(url: &str, dir: &std::path::Path) -> Child {
+    replica_command(url, dir).spawn().unwrap()
+}
+
+/// A `structured-sink serve` process in JetStream mode with `jetstream.pinned_client`: replica
+/// `index` of 2 owns half of the 8 partitions and stands by for the other half.
+fn spawn_pinned_replica(url: &str, dir: &std::path::Path, index: u32) -> Child {
+    replica_command(url, dir)
+        .env("STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX", index.to_string())
+        .env("STRUCTURED_SINK__PARTITIONS__REPLICA_COUNT", "2")
+        .env("STRUCTURED_SINK__JETSTREAM__PINNED_CLIENT", "true")
+        .env("STRUCTURED_SINK__JETSTREAM__PINNED_TTL_MS", PINNED_TTL_MS.to_string())
+        // Short, so that the test also sees the killed replica's messages redelivered to the
+        // standby after its takeover read them from the stream (and acknowledged as duplicates).
+        .env("STRUCTURED_SINK__JETSTREAM__ACK_WAIT_MS", "10000")
+        .spawn()
+        .unwrap()
+}
+
+/// The pin TTL of [`spawn_pinned_replica`]: the takeover delay after a `kill -9`.
+const PINNED_TTL_MS: u64 = 3_000;
+
+fn replica_command(url: &str, dir: &std::path::Path) -> Command {
     let config = dir.join("replica.toml");
     std::fs::write(&config, TAGS_TOML).unwrap();
-    Command::new(env!("CARGO_BIN_EXE_structured-sink"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
+    command
         .arg("--config")
         .arg(&config)
         .arg("serve")
@@ -209,9 +232,8 @@ fn spawn_replica(url: &str, dir: &std::path::Path) -> Child {
         .env("STRUCTURED_SINK__JETSTREAM__ACK_WAIT_MS", "60000")
         .env("STRUCTURED_SINK__SHARDS__COUNT", "2")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::null());
+    command
 }
 
 /// A downstream JetStream stream over every output subject, deduplicating by `Nats-Msg-Id`.
@@ -437,4 +459,115 @@ async fn jetstream_input_is_acknowledged_when_no_stream_stores_the_outputs() {
     };
     service.shutdown().await.unwrap();
     assert_eq!(unacknowledged, 0, "every input acknowledged (the stream's last sequence is {last})");
+}
+
+/// The pin of each partition consumer's priority group: `None` while no replica is pinned.
+async fn pins(stream: &jetstream::stream::Stream) -> Vec<Option<String>> {
+    let mut pins = Vec::new();
+    for partition in 0..8 {
+        let mut consumer: jetstream::consumer::PullConsumer =
+            stream.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
+        let info = consumer.info().await.unwrap();
+        pins.push(info.priority_groups.iter().find_map(|g| g.pinned_client_id.clone()));
+    }
+    pins
+}
+
+/// `jetstream.pinned_client`: two replicas, each owning half of the partitions and standing by
+/// for the other half. Replica 0 is killed with `kill -9` mid-run, while hundreds of streams are
+/// open; once its pins lapse (`pinned_ttl_ms`) the server pins its partitions to replica 1, which
+/// rebuilds the open streams from the consumers' ack floors. Downstream (deduplicated by
+/// `Nats-Msg-Id`) must hold exactly what `replay` gives.
+///
+/// Needs a server with priority groups (2.11 or later; `NATS_SERVER_BIN` selects the binary).
+/// With an older server the test checks instead that start-up refuses `pinned_client` with a
+/// clear error, before creating anything.
+#[tokio::test]
+async fn pinned_client_standby_takes_over_after_kill_9() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    if server.version() < (2, 11, 0) {
+        let mut config = jetstream_config(&server.url());
+        config.jetstream.pinned_client = true;
+        let error = RunningService::start(config).await.err().expect("pinned_client refused before 2.11");
+        let message = error.to_string();
+        assert!(message.contains("pinned_client needs nats-server 2.11"), "{message}");
+        assert!(message.contains(server.version_string()), "{message}");
+        let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+        assert!(js.get_stream("CHAT_RAW").await.is_err(), "nothing created before refusing");
+        return;
+    }
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = downstream(&js).await;
+    let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
+    client.flush().await.unwrap();
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let mut doomed = spawn_pinned_replica(&server.url(), dirs[0].path(), 0);
+    let mut survivor = spawn_pinned_replica(&server.url(), dirs[1].path(), 1);
+
+    let events = conversation(300, 6);
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let half = events.len() / 2;
+    // Wait for both replicas' consumers (and their pins) before publishing.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let input = loop {
+        if let Ok(mut stream) = js.get_stream("CHAT_RAW").await {
+            if stream.info().await.is_ok_and(|i| i.state.consumer_count >= 8) {
+                break stream;
+            }
+        }
+        assert!(Instant::now() < deadline, "the replicas created their consumers");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    publish_inputs(&js, &events, 0..half).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.info().await.unwrap().state.messages < (total / 4) as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = pins(&input).await;
+    assert!(before.iter().all(Option::is_some), "every partition pinned: {before:?}");
+    doomed.kill().unwrap();
+    doomed.wait().unwrap();
+    let stored = out.info().await.unwrap().state.messages;
+    assert!(stored > 0 && stored < total as u64, "killed mid-run: {stored} of {total}");
+    publish_inputs(&js, &events, half..events.len()).await;
+    let got = read_all(&mut out, total).await;
+    let after = pins(&input).await;
+    // The messages the takeover read from the stream carry no ack of their own: they are
+    // acknowledged when the consumer redelivers them (after ack_wait), as duplicates.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let unacknowledged = loop {
+        let mut unacknowledged = 0;
+        for partition in 0..8 {
+            let mut consumer: jetstream::consumer::PullConsumer =
+                input.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
+            let info = consumer.info().await.unwrap();
+            unacknowledged += info.num_ack_pending + info.num_pending as usize;
+        }
+        if unacknowledged == 0 || Instant::now() >= deadline {
+            break unacknowledged;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Redeliveries processed after the comparison must not have produced new outputs.
+    let stored_later = out.info().await.unwrap().state.messages as usize - got.len();
+    // A redelivery of a rebuilt message whose stream has ended is a duplicate, not a late event.
+    let dead_letters =
+        crate::service::collect(&mut dead_letters, Duration::from_millis(500), |ms| !ms.is_empty()).await;
+    survivor.kill().unwrap();
+    let _ = survivor.wait();
+    // Replica 0 owned the even partitions: each must have a new pin (the standby's).
+    for partition in (0..8).step_by(2) {
+        assert!(
+            after[partition].is_some() && after[partition] != before[partition],
+            "partition {partition} taken over: {before:?} -> {after:?}"
+        );
+    }
+    assert_eq!(&after[1..].iter().step_by(2).collect::<Vec<_>>(), &before[1..].iter().step_by(2).collect::<Vec<_>>());
+    assert_eq!(got.len(), total, "every output once after deduplication");
+    assert_eq!(group(&got), expected);
+    assert_eq!(unacknowledged, 0, "every input acknowledged in the end, redeliveries included");
+    assert_eq!(stored_later, 0, "no new output from the redeliveries");
+    assert_eq!(dead_letters.len(), 0, "nothing dead-lettered");
 }
