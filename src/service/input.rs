@@ -287,18 +287,7 @@ async fn open_consumers(
     };
     for (name, subject) in names {
         let start = restart_point(&stream, &name).await;
-        let consumer_config = pull::Config {
-            durable_name: Some(name.clone()),
-            filter_subject: subject.clone(),
-            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: Duration::from_millis(cfg.ack_wait_ms),
-            max_ack_pending: cfg.max_ack_pending,
-            deliver_policy: match start {
-                Some(sequence) => jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: sequence },
-                None => jetstream::consumer::DeliverPolicy::All,
-            },
-            ..Default::default()
-        };
+        let consumer_config = partition_consumer(cfg, &name, &subject, start);
         let consumer: jetstream::consumer::Consumer<pull::Config> =
             stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         let messages = consumer.messages().await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
@@ -307,6 +296,29 @@ async fn open_consumers(
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
+}
+
+/// The configuration of a durable partition consumer: explicit acks, the configured ack wait and
+/// pending limit, delivering from `start` (a stream sequence) or from the beginning.
+fn partition_consumer(
+    cfg: &crate::config::JetStreamConfig,
+    name: &str,
+    subject: &str,
+    start: Option<u64>,
+) -> pull::Config {
+    use jetstream::consumer::DeliverPolicy;
+    pull::Config {
+        durable_name: Some(name.to_owned()),
+        filter_subject: subject.to_owned(),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_millis(cfg.ack_wait_ms),
+        max_ack_pending: cfg.max_ack_pending,
+        deliver_policy: match start {
+            Some(start_sequence) => DeliverPolicy::ByStartSequence { start_sequence },
+            None => DeliverPolicy::All,
+        },
+        ..Default::default()
+    }
 }
 
 /// `jetstream.pinned_client`: one pinned-client consumer per partition, shared by every replica,
@@ -318,7 +330,7 @@ async fn open_pinned_consumers(
     ownership: &Ownership,
     stream: &stream::Stream,
 ) -> Result<Vec<(String, Source)>, ServiceError> {
-    use jetstream::consumer::{DeliverPolicy, PriorityPolicy};
+    use jetstream::consumer::PriorityPolicy;
     let cfg = &config.jetstream;
     let js_error = |what: &str, e: &dyn std::fmt::Display| ServiceError::JetStream(format!("{what}: {e}"));
     let ttl = Duration::from_millis(cfg.pinned_ttl_ms);
@@ -332,26 +344,17 @@ async fn open_pinned_consumers(
         let consumer = match existing {
             Some(consumer) if consumer.cached_info().config.priority_policy == PriorityPolicy::PinnedClient => consumer,
             existing => {
-                let deliver_policy = match existing {
-                    Some(_) => match restart_point(stream, &name).await {
-                        Some(start_sequence) => DeliverPolicy::ByStartSequence { start_sequence },
-                        None => DeliverPolicy::All,
-                    },
-                    None => DeliverPolicy::All,
+                let start = match existing {
+                    Some(_) => restart_point(stream, &name).await,
+                    None => None,
                 };
                 // Replicas starting together create the same configuration, which the server
                 // accepts as one consumer.
                 let consumer_config = pull::Config {
-                    durable_name: Some(name.clone()),
-                    filter_subject: subject.clone(),
-                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                    ack_wait: Duration::from_millis(cfg.ack_wait_ms),
-                    max_ack_pending: cfg.max_ack_pending,
-                    deliver_policy,
                     priority_policy: PriorityPolicy::PinnedClient,
                     priority_groups: vec![PRIORITY_GROUP.to_owned()],
                     priority_timeout: ttl,
-                    ..Default::default()
+                    ..partition_consumer(cfg, &name, &subject, start)
                 };
                 stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?
             }

@@ -28,9 +28,8 @@ impl BlockType {
     /// Sets how deep messages may nest in a converted payload (the root is at depth 1). A
     /// deeper payload fails [`convert`](Self::convert) with `TooDeep`, and its deeper messages
     /// are left out of [`convert_partial`](Self::convert_partial).
-    pub fn with_max_depth(mut self, depth: usize) -> Self {
+    pub(crate) fn set_max_depth(&mut self, depth: usize) {
         self.max_depth = depth;
-        self
     }
 
     /// The nesting limit of conversions.

@@ -161,7 +161,7 @@ impl SchemaRegistry {
     /// Sets the nesting limit of every block type's conversions (`schemas.max_depth`).
     pub fn with_max_depth(mut self, depth: usize) -> Self {
         for block in self.types.values_mut() {
-            *block = block.clone().with_max_depth(depth);
+            block.set_max_depth(depth);
         }
         self
     }
