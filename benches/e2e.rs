@@ -77,8 +77,9 @@ struct Args {
     rounds: usize,
     shards: usize,
     smoke: bool,
-    /// Only the service at maximum rate, `rounds` times, for a profiler; no report.
-    profile_service: bool,
+    /// Only the service (or the relay) at maximum rate, `rounds` times, for a profiler or a
+    /// counter of instructions; no report.
+    profile: Option<System>,
     /// `--mode jetstream`: `jetstream.max_ack_pending` (default: every event of the workload).
     ack_pending: Option<i64>,
     /// The paced rate of the latency phases (default: half the service's maximum).
@@ -87,7 +88,7 @@ struct Args {
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
-[--rounds R (1)] [--shards N (2)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service]";
+[--rounds R (1)] [--shards N (2)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -104,7 +105,7 @@ fn parse_args() -> Result<Args> {
         rounds: 1,
         shards: 2,
         smoke: !bench,
-        profile_service: false,
+        profile: None,
         ack_pending: None,
         rate: None,
     };
@@ -125,7 +126,8 @@ fn parse_args() -> Result<Args> {
             "--shards" => args.shards = number(a, it.next())?.max(1),
             "--quick" => args.quick = true,
             "--no-completion" => args.cumulative = false,
-            "--profile-service" => args.profile_service = true,
+            "--profile-service" => args.profile = Some(System::Service),
+            "--profile-relay" => args.profile = Some(System::Relay),
             "--rate" => args.rate = Some(number(a, it.next())?.max(100) as f64),
             "--ack-pending" => args.ack_pending = Some(number(a, it.next())?.max(1) as i64),
             "--mode" => {
@@ -1336,10 +1338,9 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         workload.expected_outputs
     );
 
-    if args.profile_service {
+    if let Some(system) = args.profile {
         for round in 1..=args.rounds {
-            let p = run_phase("service", System::Service, args, &config, &workload, None, &subscriber, &admin, &slow)
-                .await?;
+            let p = run_phase("profile", system, args, &config, &workload, None, &subscriber, &admin, &slow).await?;
             eprintln!("round {round}: {:.0} events/s in, {}/{} outputs", p.in_rate, p.received, p.expected);
         }
         return Ok(true);

@@ -192,6 +192,9 @@ pub fn event_decoding(payload: &[u8]) {
             }
             let owned = event.clone().into_owned();
             assert_eq!(owned, event, "into_owned changed the event");
+            let detached = event.clone().detach(payload);
+            assert_eq!(detached.attach(payload), event, "detaching and attaching changed the event");
+            assert_eq!(detached.message_id(payload), event.stream.message_id);
             assert_eq!(decode(payload, LIMIT).ok(), Some(event), "decoding is not deterministic");
         }
         Err(e) => {

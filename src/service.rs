@@ -18,7 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
-use async_nats::{HeaderMap, Subject};
+use async_nats::header::HeaderValue;
+use async_nats::{HeaderMap, HeaderName, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio::task::JoinHandle;
@@ -38,6 +39,8 @@ use crate::typed::SchemaRegistry;
 
 /// Header naming the protobuf message type of an output.
 pub const TYPE_HEADER: &str = "Structured-Sink-Type";
+const TYPE_HEADER_NAME: HeaderName = HeaderName::from_static(TYPE_HEADER);
+const CONTENT_TYPE_HEADER: HeaderName = HeaderName::from_static("Content-Type");
 /// Header giving the reason code of a dead-lettered event.
 pub const ERROR_HEADER: &str = "Structured-Sink-Error";
 /// Header giving a human-readable reason (never payload text) of a dead-lettered event.
@@ -45,7 +48,7 @@ pub const ERROR_DETAIL_HEADER: &str = "Structured-Sink-Error-Detail";
 /// Header giving the subject a dead-lettered or passed-through event arrived on.
 pub const SOURCE_SUBJECT_HEADER: &str = "Structured-Sink-Source-Subject";
 /// W3C trace context headers carried from input to output.
-const TRACE_HEADERS: [&str; 2] = ["traceparent", "tracestate"];
+const TRACE_HEADERS: [HeaderName; 2] = [HeaderName::from_static("traceparent"), HeaderName::from_static("tracestate")];
 
 /// Why the service could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +101,9 @@ pub struct Envelope {
     subject: Subject,
     payload: Bytes,
     headers: Option<HeaderMap>,
+    /// The W3C trace context headers of `headers`, found once per event (every output of the
+    /// event carries them).
+    trace: Vec<(HeaderName, HeaderValue)>,
     received: Instant,
     /// JetStream: where the ack goes.
     ack: Option<Subject>,
@@ -158,6 +164,7 @@ impl RunningService {
                 .then(|| Subject::from(config.input.pass_through_subject.as_str())),
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
+            templates: HeaderTemplates::default(),
             held: HashMap::new(),
             // A short timeout: a confirmation lost with a failing server is published again soon
             // instead of holding the worker for async-nats' default of 5 s per awaited
@@ -336,6 +343,7 @@ pub struct NatsSink {
     pass_through: Option<Subject>,
     dead_letter: Subject,
     reported: Reported,
+    templates: HeaderTemplates,
     /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
     /// delivery).
     held: HashMap<Box<str>, Vec<(u64, Subject)>>,
@@ -353,6 +361,26 @@ pub struct NatsSink {
     /// Fired when the service begins to stop: outputs not confirmed by then are no longer
     /// published again (their input stays unacknowledged for the next owner).
     stopping: CancellationToken,
+}
+
+/// The headers every output of one message type carries (`Content-Type`,
+/// `Structured-Sink-Type`), built once per type and cloned for each output: building a header map
+/// entry by entry costs a name lookup, a hash and two allocations per header. One entry per
+/// output message type, so bounded by the schema registry.
+#[derive(Default)]
+struct HeaderTemplates(Vec<(&'static str, &'static str, HeaderMap)>);
+
+impl HeaderTemplates {
+    fn headers(&mut self, type_name: &'static str, content_type: &'static str) -> HeaderMap {
+        if let Some((_, _, headers)) = self.0.iter().find(|(t, c, _)| *t == type_name && *c == content_type) {
+            return headers.clone();
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE_HEADER, content_type);
+        headers.insert(TYPE_HEADER_NAME, type_name);
+        self.0.push((type_name, content_type, headers.clone()));
+        headers
+    }
 }
 
 /// An output published through JetStream whose storage is not confirmed yet.
@@ -392,6 +420,7 @@ impl Clone for NatsSink {
             pass_through: self.pass_through.clone(),
             dead_letter: self.dead_letter.clone(),
             reported: Reported::default(),
+            templates: HeaderTemplates::default(),
             held: HashMap::new(),
             confirm: self.confirm.clone(),
             unconfirmed: HashMap::new(),
@@ -495,23 +524,20 @@ impl NatsSink {
 
 impl ShardSink<Envelope> for NatsSink {
     async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
-        let mut headers = HeaderMap::new();
-        headers.insert("Content-Type", publication.content_type);
-        headers.insert(TYPE_HEADER, publication.type_name);
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id.as_str());
-        if let Some(input) = cause.and_then(|c| c.headers.as_ref()) {
-            for name in TRACE_HEADERS {
-                if let Some(value) = input.get(name) {
-                    headers.insert(name, value.as_str());
-                }
-            }
+        // JetStream: confirmations are kept per stream (the id is moved into the header below).
+        let stream_id: Option<Box<str>> =
+            self.confirm.is_some().then(|| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
+        let mut headers = self.templates.headers(publication.type_name, publication.content_type);
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
+        for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
+            headers.insert(name.clone(), value.clone());
         }
         let kind = output_kind(publication.type_name);
         let subject = Subject::from(publication.subject.as_ref());
         match self.confirm.clone() {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some(js) => {
-                let stream_id = publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id);
+                let stream_id = stream_id.unwrap_or_default();
                 let payload = publication.payload;
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
                 let retry = match &sent {
@@ -537,7 +563,7 @@ impl ShardSink<Envelope> for NatsSink {
                 };
                 if retry {
                     let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload } };
-                    self.unconfirmed.entry(stream_id.into()).or_default().push(unconfirmed);
+                    self.unconfirmed.entry(stream_id).or_default().push(unconfirmed);
                     self.unconfirmed_total += 1;
                 }
                 if self.unconfirmed_total >= MAX_UNCONFIRMED {
@@ -715,6 +741,18 @@ async fn stream_captures(js: &async_nats::jetstream::Context, subject: &str) -> 
 }
 
 /// The metric label of an output message type.
+/// The trace context headers of an input event (compared by name: an event carries few headers,
+/// so this is cheaper than hashing each name).
+fn trace_context(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    let mut trace = Vec::new();
+    for (name, values) in headers.iter() {
+        if let (true, Some(value)) = (TRACE_HEADERS.contains(name), values.last()) {
+            trace.push((name.clone(), value.clone()));
+        }
+    }
+    trace
+}
+
 fn output_kind(type_name: &str) -> OutputKind {
     use crate::codec::proto::names;
     match type_name {

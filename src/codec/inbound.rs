@@ -131,7 +131,7 @@ pub struct InboundEvent<'a> {
 struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
 
 impl InboundEvent<'_> {
-    /// The same event owning its strings, to cross a task boundary.
+    /// The same event owning its strings.
     pub fn into_owned(self) -> InboundEvent<'static> {
         let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
         InboundEvent {
@@ -151,6 +151,116 @@ impl InboundEvent<'_> {
                 EventAction::PassThrough => EventAction::PassThrough,
             },
         }
+    }
+
+    /// The event with every string that borrows from `payload` replaced by its position there, to
+    /// cross a task boundary beside the payload without copying those strings (only strings that
+    /// held escapes, or come from elsewhere, are owned). `payload` must be the one it was decoded
+    /// from; [`DetachedEvent::attach`] to the same payload gives the event back.
+    pub fn detach(self, payload: &[u8]) -> DetachedEvent {
+        let piece = |c: Cow<'_, str>| Piece::new(c, payload);
+        DetachedEvent {
+            kind: piece(self.kind),
+            identity: [
+                piece(self.stream.message_id),
+                piece(self.stream.stream_id),
+                piece(self.stream.session_id),
+                piece(self.stream.inference_id),
+                piece(self.stream.turn_id),
+            ],
+            action: match self.action {
+                EventAction::Delta(d) => DetachedAction::Delta(piece(d)),
+                EventAction::Finish { text, reason } => {
+                    DetachedAction::Finish { text: text.map(piece), reason: piece(reason) }
+                }
+                EventAction::PassThrough => DetachedAction::PassThrough,
+            },
+        }
+    }
+}
+
+/// An event detached from its payload ([`InboundEvent::detach`]).
+#[derive(Debug, Clone)]
+pub struct DetachedEvent {
+    kind: Piece,
+    /// Message, stream, session, inference and turn ids.
+    identity: [Piece; 5],
+    action: DetachedAction,
+}
+
+#[derive(Debug, Clone)]
+enum DetachedAction {
+    Delta(Piece),
+    Finish { text: Option<Piece>, reason: Piece },
+    PassThrough,
+}
+
+/// A string of a detached event: a position in the payload, or owned.
+#[derive(Debug, Clone)]
+enum Piece {
+    Span { start: u32, len: u32 },
+    Owned(Box<str>),
+}
+
+impl Piece {
+    fn new(text: Cow<'_, str>, payload: &[u8]) -> Piece {
+        let range = payload.as_ptr_range();
+        match text {
+            Cow::Borrowed(s) if range.contains(&s.as_ptr()) && s.len() <= range.end as usize - s.as_ptr() as usize => {
+                // In bounds, so both fit in u32 for any payload under 4 GiB (max_event_bytes is
+                // far below); larger ones are kept owned.
+                let start = s.as_ptr() as usize - range.start as usize;
+                match (u32::try_from(start), u32::try_from(s.len())) {
+                    (Ok(start), Ok(len)) => Piece::Span { start, len },
+                    _ => Piece::Owned(s.into()),
+                }
+            }
+            other => Piece::Owned(other.into_owned().into_boxed_str()),
+        }
+    }
+
+    fn attach<'a>(&'a self, payload: &'a [u8]) -> Cow<'a, str> {
+        match self {
+            Piece::Owned(s) => Cow::Borrowed(s),
+            Piece::Span { start, len } => {
+                let bytes = payload.get(*start as usize..*start as usize + *len as usize);
+                // Both hold only for the payload the event was detached from: anything else is a
+                // bug, not input.
+                let text = bytes.map(std::str::from_utf8).expect("attached to a payload shorter than its own");
+                Cow::Borrowed(text.expect("attached to a payload other than its own"))
+            }
+        }
+    }
+}
+
+impl DetachedEvent {
+    /// The event again, borrowing from `payload`, which must be the payload it was detached from
+    /// (panics otherwise).
+    pub fn attach<'a>(&'a self, payload: &'a [u8]) -> InboundEvent<'a> {
+        let [message_id, stream_id, session_id, inference_id, turn_id] = &self.identity;
+        InboundEvent {
+            kind: self.kind.attach(payload),
+            stream: StreamIdentity {
+                message_id: message_id.attach(payload),
+                stream_id: stream_id.attach(payload),
+                session_id: session_id.attach(payload),
+                inference_id: inference_id.attach(payload),
+                turn_id: turn_id.attach(payload),
+            },
+            action: match &self.action {
+                DetachedAction::Delta(d) => EventAction::Delta(d.attach(payload)),
+                DetachedAction::Finish { text, reason } => EventAction::Finish {
+                    text: text.as_ref().map(|t| t.attach(payload)),
+                    reason: reason.attach(payload),
+                },
+                DetachedAction::PassThrough => EventAction::PassThrough,
+            },
+        }
+    }
+
+    /// `meta.message_id`, without attaching the rest.
+    pub fn message_id<'a>(&'a self, payload: &'a [u8]) -> Cow<'a, str> {
+        self.identity[0].attach(payload)
     }
 }
 
@@ -311,6 +421,35 @@ mod tests {
         assert_eq!(ev.stream.stream_id, MID);
         assert_eq!(ev.stream.session_id, "run-1");
         assert_eq!(ev.stream.turn_id, "t");
+    }
+
+    #[test]
+    fn detached_events_keep_positions_of_borrowed_strings_and_attach_unchanged() {
+        let json = format!(
+            r#"{{"type":"final","meta":{{"message_id":"{MID}","session_id":"s\u003c1","turn_id":"t"}},"text":"a \u003cb\u003e c"}}"#
+        );
+        let payload = json.as_bytes();
+        let event = decode(payload, 1 << 20).unwrap();
+        let detached = event.clone().detach(payload);
+        let debug = format!("{detached:?}");
+        // Positions: type, message id (twice, as stream id), turn id. Owned: the escaped session
+        // id and text, the absent inference id (empty) and the default reason, which are not in
+        // the payload.
+        assert_eq!(debug.matches("Span").count(), 4, "{debug}");
+        assert_eq!(debug.matches("Owned").count(), 4, "{debug}");
+        assert_eq!(detached.attach(payload), event);
+        assert_eq!(detached.message_id(payload), MID);
+        // Strings from another buffer are copied, never taken as positions in this payload.
+        let other = decode(payload, 1 << 20).unwrap().into_owned();
+        assert_eq!(other.detach(payload).attach(payload), event);
+    }
+
+    #[test]
+    #[should_panic(expected = "attached to a payload")]
+    fn attaching_to_another_payload_is_a_bug_that_panics() {
+        let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"plain"}}"#);
+        let detached = decode(json.as_bytes(), 1 << 20).unwrap().detach(json.as_bytes());
+        let _ = detached.attach(b"short");
     }
 
     #[test]

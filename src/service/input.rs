@@ -81,13 +81,16 @@ impl Ownership {
     }
 
     fn verdict(&self, subject: &str, message_id: &str) -> Verdict {
-        let token = escape_token(message_id);
         match self.mode {
             PartitionMode::None => Verdict::Owned,
-            PartitionMode::Subject if subject.rsplit('.').next() != Some(token.as_ref()) => Verdict::TokenMismatch,
             // The subscription or consumer filter already selected the partition.
-            PartitionMode::Subject => Verdict::Owned,
-            PartitionMode::Filter if self.owned[partition_of(&token, self.count) as usize] => Verdict::Owned,
+            PartitionMode::Subject if subject.rsplit('.').next() == Some(escape_token(message_id).as_ref()) => {
+                Verdict::Owned
+            }
+            PartitionMode::Subject => Verdict::TokenMismatch,
+            PartitionMode::Filter if self.owned[partition_of(&escape_token(message_id), self.count) as usize] => {
+                Verdict::Owned
+            }
             PartitionMode::Filter => Verdict::NotOwned,
         }
     }
@@ -635,13 +638,18 @@ impl Dispatcher {
     }
 
     async fn dispatch(&mut self, shards: &ShardSet<Envelope>, envelope: Envelope) {
-        if envelope.headers.as_ref().is_some_and(|h| h.get(PROBE_HEADER).is_some()) {
+        // By name, not by hash lookup: events carry few headers, and most carry none.
+        let probe = envelope.headers.as_ref().is_some_and(|h| h.iter().any(|(name, _)| AsRef::<str>::as_ref(name) == PROBE_HEADER));
+        if probe {
             self.sink.ack(&envelope).await;
             return;
         }
         self.sink.metrics.count_received();
-        let event = match decode(&envelope.payload, self.max_event_bytes) {
-            Ok(event) => event.into_owned(),
+        // A second handle on the payload (not a copy), so the event can borrow from it while the
+        // envelope moves on.
+        let payload = envelope.payload.clone();
+        let event = match decode(&payload, self.max_event_bytes) {
+            Ok(event) => event,
             Err(e) => {
                 tracing::warn!(reason = e.code(), error = %e, subject = %envelope.subject, "dead-lettering an event");
                 let detail = e.to_string();
@@ -663,7 +671,7 @@ impl Dispatcher {
                 return;
             }
         }
-        match shards.route(ShardEvent { event, envelope }).await {
+        match shards.route(ShardEvent::new(event, &payload, envelope)).await {
             Ok(true) => self.sink.metrics.count_shard_inbox_full(),
             Ok(false) => {}
             Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
@@ -683,10 +691,12 @@ impl Envelope {
     }
 
     fn core(message: async_nats::Message) -> Envelope {
+        let trace = message.headers.as_ref().map(super::trace_context).unwrap_or_default();
         Envelope {
             subject: message.subject,
             payload: message.payload,
             headers: message.headers,
+            trace,
             received: Instant::now(),
             ack: None,
             sequence: None,

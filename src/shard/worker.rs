@@ -14,11 +14,12 @@ use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
+use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::table::{Disposition, StreamTable, TableStats};
-use crate::codec::inbound::InboundEvent;
+use crate::codec::inbound::{DetachedEvent, InboundEvent};
 use crate::codec::outbound::Publication;
 use crate::pipeline::PipelineStats;
 
@@ -46,13 +47,25 @@ pub trait ShardSink<E>: Send + 'static {
     fn flush(&mut self) -> impl Future<Output = ()> + Send;
 }
 
-/// One event for a worker: the decoded event (owning its strings) and the caller's envelope.
+/// One event for a worker: the decoded event, detached from its payload (so its strings are not
+/// copied to cross into the worker), the payload, and the caller's envelope.
 pub struct ShardEvent<E> {
-    /// The decoded event.
-    pub event: InboundEvent<'static>,
-    /// The caller's message, handed back for pass-through, dead letters and trace context.
-    pub envelope: E,
+    event: DetachedEvent,
+    payload: Bytes,
+    envelope: E,
 }
+
+impl<E> ShardEvent<E> {
+    /// `event`, decoded from `payload`, with the caller's message (handed back for pass-through,
+    /// dead letters and trace context). Strings of `event` that do not borrow from `payload` are
+    /// copied.
+    pub fn new(event: InboundEvent<'_>, payload: &Bytes, envelope: E) -> Self {
+        ShardEvent { event: event.detach(payload), payload: payload.clone(), envelope }
+    }
+}
+
+/// Events a worker takes from its inbox at once.
+const BATCH: usize = 64;
 
 /// Settings of a shard set.
 #[derive(Debug, Clone, Copy)]
@@ -106,7 +119,7 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
     /// Queues `event` for its worker; waits while the inbox is full. Returns whether it had to
     /// wait (for the backpressure counter).
     pub async fn route(&self, event: ShardEvent<E>) -> Result<bool, ShardStopped> {
-        let shard = self.shard_of(&event.event.stream.message_id);
+        let shard = self.shard_of(&event.event.message_id(&event.payload));
         let inbox = &self.inboxes[shard];
         match inbox.try_send(event) {
             Ok(()) => Ok(false),
@@ -172,42 +185,19 @@ async fn run_worker<E, S>(
     let mut tick = tokio::time::interval(settings.expiry_tick);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut outputs = Vec::new();
+    let mut batch = Vec::with_capacity(BATCH);
     loop {
         tokio::select! {
             // Input first: expiry may wait, events should not.
             biased;
-            next = inbox.recv() => {
-                let Some(ShardEvent { event, envelope }) = next else { break };
+            received = inbox.recv_many(&mut batch, BATCH) => {
+                if received == 0 {
+                    break;
+                }
+                // Events queued together arrived within moments of each other: one clock read.
                 let now = tokio::time::Instant::now().into_std();
-                let sequence = sink.sequence(&envelope);
-                let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
-                // A bug must cost one stream, not the shard: a panic while applying an event
-                // discards that stream's (possibly half-updated) state and dead-letters the
-                // event, and the worker goes on with its other streams. Outputs the event had
-                // produced are dropped with it.
-                let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened)
-                }));
-                let Ok(disposition) = applied else {
-                    outputs.clear();
-                    table.discard(&event.stream.stream_id);
-                    tracing::error!(shard, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
-                    sink.dead_letter(envelope, "internal_error").await;
-                    for id in table.take_closed() {
-                        sink.stream_closed(&id).await;
-                    }
-                    sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
-                    continue;
-                };
-                match disposition {
-                    Disposition::Applied | Disposition::Duplicate => {
-                        for p in outputs.drain(..) {
-                            sink.publish(p, Some(&envelope)).await;
-                        }
-                        sink.applied(&event.stream.stream_id, envelope).await;
-                    }
-                    Disposition::PassThrough => sink.pass_through(envelope).await,
-                    Disposition::Late => sink.dead_letter(envelope, "stream_finished").await,
+                for event in batch.drain(..) {
+                    handle(shard, event, now, &mut table, &mut sink, &mut outputs).await;
                 }
             }
             _ = tick.tick() => {
@@ -216,11 +206,12 @@ async fn run_worker<E, S>(
                 for p in outputs.drain(..) {
                     sink.publish(p, None).await;
                 }
+                for id in table.take_closed() {
+                    sink.stream_closed(&id).await;
+                }
             }
         }
-        for id in table.take_closed() {
-            sink.stream_closed(&id).await;
-        }
+        // Once per batch rather than per event: the counters are read by scrapes, not per event.
         sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
     }
     if settings.close_on_shutdown {
@@ -237,6 +228,48 @@ async fn run_worker<E, S>(
     }
     sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
     sink.flush().await;
+}
+
+/// Applies one event and publishes what it produced, then closes the streams it ended.
+async fn handle<E, S>(
+    shard: usize,
+    ShardEvent { event, payload, envelope }: ShardEvent<E>,
+    now: std::time::Instant,
+    table: &mut StreamTable,
+    sink: &mut S,
+    outputs: &mut Vec<Publication>,
+) where
+    E: Send + Sync + 'static,
+    S: ShardSink<E>,
+{
+    let event = event.attach(&payload);
+    let sequence = sink.sequence(&envelope);
+    let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
+    // A bug must cost one stream, not the shard: a panic while applying an event discards that
+    // stream's (possibly half-updated) state and dead-letters the event, and the worker goes on
+    // with its other streams. Outputs the event had produced are dropped with it.
+    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened)
+    }));
+    match applied {
+        Ok(Disposition::Applied | Disposition::Duplicate) => {
+            for p in outputs.drain(..) {
+                sink.publish(p, Some(&envelope)).await;
+            }
+            sink.applied(&event.stream.stream_id, envelope).await;
+        }
+        Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
+        Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
+        Err(_) => {
+            outputs.clear();
+            table.discard(&event.stream.stream_id);
+            tracing::error!(shard, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
+            sink.dead_letter(envelope, "internal_error").await;
+        }
+    }
+    for id in table.take_closed() {
+        sink.stream_closed(&id).await;
+    }
 }
 
 #[cfg(test)]
@@ -283,8 +316,9 @@ mod tests {
         StreamTable::new(pipeline, encoder, TableLimits { idle_timeout: idle, max_streams: 100, finished_memory: 10 })
     }
 
-    fn event(json: &str) -> InboundEvent<'static> {
-        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    fn event(json: &str, envelope: u32) -> ShardEvent<u32> {
+        let payload = Bytes::from(json.to_owned());
+        ShardEvent::new(decode(&payload, 1 << 20).unwrap(), &payload, envelope)
     }
 
     fn settings(count: usize) -> ShardSettings {
@@ -297,10 +331,10 @@ mod tests {
         let set = ShardSet::start(settings(3), |_| (table(Duration::from_secs(60)), log.clone()));
         for i in 0..20u32 {
             let json = format!(r#"{{"type":"partial","meta":{{"message_id":"m{}"}},"delta":"d{i} "}}"#, i % 4);
-            set.route(ShardEvent { event: event(&json), envelope: i }).await.unwrap();
+            set.route(event(&json, i)).await.unwrap();
         }
         let json = r#"{"type":"tool-call","meta":{"message_id":"m1"}}"#;
-        set.route(ShardEvent { event: event(json), envelope: 99 }).await.unwrap();
+        set.route(event(json, 99)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
         assert!(log.contains(&"pass 99".to_owned()));
@@ -321,13 +355,13 @@ mod tests {
         let log = Recorder::default();
         let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(5)), log.clone()));
         let json = r#"{"type":"partial","meta":{"message_id":"idle"},"delta":"x <core:x:v1>half"}"#;
-        set.route(ShardEvent { event: event(json), envelope: 1 }).await.unwrap();
+        set.route(event(json, 1)).await.unwrap();
         tokio::time::sleep(Duration::from_secs(6)).await;
         let expired = log.0.lock().unwrap().clone();
         assert!(expired.iter().any(|l| l.starts_with("chat.filtered idle:5 None")), "{expired:?}");
         assert!(expired.iter().any(|l| l.starts_with("chat.structured.core.x.v1 idle:4 None")), "{expired:?}");
         // An event after expiry is late: dead-lettered, no new stream with repeated seq numbers.
-        set.route(ShardEvent { event: event(json), envelope: 2 }).await.unwrap();
+        set.route(event(json, 2)).await.unwrap();
         set.shutdown().await;
         assert!(log.0.lock().unwrap().contains(&"dead 2 stream_finished".to_owned()));
     }
@@ -340,16 +374,16 @@ mod tests {
             table.panic_on_delta = Some("boom");
             (table, log.clone())
         });
-        let delta = |id: &str, text: &str| {
-            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#))
+        let delta = |id: &str, text: &str, envelope| {
+            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
         };
-        let fin = |id: &str| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#));
-        set.route(ShardEvent { event: delta("bad", "before "), envelope: 1 }).await.unwrap();
-        set.route(ShardEvent { event: delta("good", "a "), envelope: 2 }).await.unwrap();
-        set.route(ShardEvent { event: delta("bad", "boom"), envelope: 3 }).await.unwrap();
-        set.route(ShardEvent { event: delta("bad", "after"), envelope: 4 }).await.unwrap();
-        set.route(ShardEvent { event: delta("good", "b"), envelope: 5 }).await.unwrap();
-        set.route(ShardEvent { event: fin("good"), envelope: 6 }).await.unwrap();
+        let fin = |id: &str, envelope| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), envelope);
+        set.route(delta("bad", "before ", 1)).await.unwrap();
+        set.route(delta("good", "a ", 2)).await.unwrap();
+        set.route(delta("bad", "boom", 3)).await.unwrap();
+        set.route(delta("bad", "after", 4)).await.unwrap();
+        set.route(delta("good", "b", 5)).await.unwrap();
+        set.route(fin("good", 6)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
         let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
