@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::inbound::StreamIdentity;
 use super::proto;
 use super::subject::escape_token;
-use crate::pipeline::{Item, Output, OutputKind, Pipeline, TagKind};
+use crate::pipeline::{Finish, Item, Output, OutputKind, Pipeline, TagKind};
 use crate::typed::{BlockType, ConversionErrorKind, SchemaRegistry};
 
 /// The subjects the service publishes to.
@@ -141,7 +141,7 @@ impl StreamHeader {
     }
 
     fn item_id(&self, item: Item) -> String {
-        format!("{}:{}", self.stream_id, item.number)
+        numbered(&self.stream_id, u64::from(item.number))
     }
 }
 
@@ -260,21 +260,13 @@ impl OutputEncoder {
                 type_name: GEPPETTO_EVENT_TYPE,
                 content_type: JSON_CONTENT_TYPE,
                 payload,
-                msg_id: format!("{}:{}", header.stream_id, seq),
+                msg_id: numbered(&header.stream_id, seq),
             };
         }
         let (subject, type_name, payload) = match &output.kind {
             OutputKind::Text { delta, text, finish } => {
-                let msg = proto::FilteredText {
-                    stream: None,
-                    seq,
-                    delta: (*delta).to_owned(),
-                    text: text.unwrap_or_default().to_owned(),
-                    r#final: finish.is_some(),
-                    finish_reason: finish.map(|f| f.reason.to_owned()).unwrap_or_default(),
-                    text_omitted: finish.is_some_and(|f| f.text_omitted),
-                };
-                (self.filtered.clone(), proto::names::FILTERED_TEXT, splice(header, &msg))
+                let payload = filtered_text(header, seq, delta, text.unwrap_or_default(), *finish);
+                (self.filtered.clone(), proto::names::FILTERED_TEXT, payload)
             }
             OutputKind::BlockStarted { item } => {
                 self.block(header, seq, *item, proto::block_event::Event::Started(proto::BlockStarted {}))
@@ -355,7 +347,7 @@ impl OutputEncoder {
             type_name,
             content_type: PROTOBUF_CONTENT_TYPE,
             payload,
-            msg_id: format!("{}:{}", header.stream_id, seq),
+            msg_id: numbered(&header.stream_id, seq),
         }
     }
 
@@ -434,6 +426,58 @@ fn geppetto_json(header: &StreamHeader, seq: u64, delta: &str, text: Option<&str
 }
 
 /// Encodes `msg` (whose `stream` field is unset) followed by the stream's field 1.
+/// `<id>:<n>` (message ids and item ids), without the formatting machinery: one per output.
+fn numbered(id: &str, n: u64) -> String {
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(n);
+    let mut out = String::with_capacity(id.len() + 1 + digits.len());
+    out.push_str(id);
+    out.push(':');
+    out.push_str(digits);
+    out
+}
+
+/// `FilteredText` (the most frequent output) encoded field by field from the borrowed text, as
+/// prost encodes the message (fields in number order, defaults omitted) but without copying the
+/// text into an owned message first.
+fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finish: Option<Finish<'_>>) -> Bytes {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+    let string_len =
+        |tag: u32, s: &str| if s.is_empty() { 0 } else { key_len(tag) + encoded_len_varint(s.len() as u64) + s.len() };
+    let reason = finish.map_or("", |f| f.reason);
+    let len = header.stream_field.len()
+        + if seq == 0 { 0 } else { key_len(2) + encoded_len_varint(seq) }
+        + string_len(3, delta)
+        + string_len(4, text)
+        + string_len(6, reason)
+        + key_len(5) + 1 + key_len(7) + 1;
+    let mut buf = BytesMut::with_capacity(len);
+    buf.put_slice(&header.stream_field);
+    let string = |tag: u32, s: &str, buf: &mut BytesMut| {
+        if !s.is_empty() {
+            encode_key(tag, WireType::LengthDelimited, buf);
+            encode_varint(s.len() as u64, buf);
+            buf.put_slice(s.as_bytes());
+        }
+    };
+    if seq != 0 {
+        encode_key(2, WireType::Varint, &mut buf);
+        encode_varint(seq, &mut buf);
+    }
+    string(3, delta, &mut buf);
+    string(4, text, &mut buf);
+    if finish.is_some() {
+        encode_key(5, WireType::Varint, &mut buf);
+        encode_varint(1, &mut buf);
+    }
+    string(6, reason, &mut buf);
+    if finish.is_some_and(|f| f.text_omitted) {
+        encode_key(7, WireType::Varint, &mut buf);
+        encode_varint(1, &mut buf);
+    }
+    buf.freeze()
+}
+
 fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
     let mut buf = BytesMut::with_capacity(header.stream_field.len() + msg.encoded_len());
     buf.put_slice(&header.stream_field);
@@ -488,6 +532,38 @@ mod tests {
             ..Default::default()
         };
         (pipeline, encoder, StreamHeader::new(&identity, Vocabulary::Legacy))
+    }
+
+    #[test]
+    fn filtered_text_is_encoded_exactly_as_prost_encodes_it() {
+        let (_, _, header) = setup();
+        let long = "é".repeat(100);
+        for seq in [0, 1, 300, u64::MAX] {
+            for delta in ["", "a", long.as_str()] {
+                for text in ["", "whole <text>"] {
+                    for finish in [
+                        None,
+                        Some(Finish { reason: "stop", text_omitted: false }),
+                        Some(Finish { reason: "", text_omitted: true }),
+                    ] {
+                        let msg = proto::FilteredText {
+                            stream: None,
+                            seq,
+                            delta: delta.to_owned(),
+                            text: text.to_owned(),
+                            r#final: finish.is_some(),
+                            finish_reason: finish.map(|f| f.reason.to_owned()).unwrap_or_default(),
+                            text_omitted: finish.is_some_and(|f| f.text_omitted),
+                        };
+                        let ours = filtered_text(&header, seq, delta, text, finish);
+                        assert_eq!(ours, splice(&header, &msg), "{seq} {delta:?} {text:?} {finish:?}");
+                        let decoded = proto::FilteredText::decode(ours).unwrap();
+                        assert_eq!(decoded.delta, delta);
+                        assert!(decoded.stream.is_some());
+                    }
+                }
+            }
+        }
     }
 
     #[test]
