@@ -1390,7 +1390,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
     } else {
         eprintln!("service and relay at {} events/s ...", half_rate.round());
         let service_half = run_phase(
-            "structured-sink, half rate",
+            if args.rate.is_some() { "structured-sink, paced" } else { "structured-sink, half rate" },
             System::Service,
             args,
             &config,

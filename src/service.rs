@@ -173,6 +173,7 @@ impl RunningService {
                 .jetstream
                 .enabled
                 .then(|| async_nats::jetstream::ContextBuilder::new().timeout(CONFIRM_TIMEOUT).build(client.clone())),
+            captures: HashMap::new(),
             unconfirmed: HashMap::new(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
@@ -351,6 +352,8 @@ pub struct NatsSink {
     /// before the stream's input is acknowledged (a core publish can be lost when the server
     /// that took it dies before passing it on to the stream's leader).
     confirm: Option<async_nats::jetstream::Context>,
+    /// Whether a stream stores each output subject, and since when that is known.
+    captures: HashMap<Arc<str>, (bool, Instant)>,
     /// Storage confirmations not yet awaited, per open stream.
     unconfirmed: HashMap<Box<str>, Vec<Unconfirmed>>,
     /// The number of confirmations in `unconfirmed`.
@@ -406,6 +409,9 @@ const ROUNDS_PER_ERROR_LOG: u32 = 10;
 /// the output is published again.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long whether a stream stores an output subject is remembered (see [`NatsSink::captured`]).
+const CAPTURE_TTL: Duration = Duration::from_secs(10);
+
 /// Confirmations outstanding per worker before all of them are awaited. It bounds memory, and
 /// stays well below async-nats' limit of in-flight publish acks (5,000 per connection), beyond
 /// which a publish would wait for permits that only awaiting confirmations frees.
@@ -423,6 +429,7 @@ impl Clone for NatsSink {
             templates: HeaderTemplates::default(),
             held: HashMap::new(),
             confirm: self.confirm.clone(),
+            captures: HashMap::new(),
             unconfirmed: HashMap::new(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
@@ -496,6 +503,22 @@ impl NatsSink {
         }
     }
 
+    /// Whether a JetStream stream stores output `subject`, from the JetStream API, remembered for
+    /// [`CAPTURE_TTL`] (one entry per output subject, so bounded by the registered tags). A stream
+    /// created for an output subject while the service runs is confirmed against within that
+    /// time; until then it stores those outputs without the service waiting for it.
+    async fn captured(&mut self, js: &async_nats::jetstream::Context, subject: &Arc<str>) -> bool {
+        let now = Instant::now();
+        if let Some(&(captured, at)) = self.captures.get(subject) {
+            if now.duration_since(at) < CAPTURE_TTL {
+                return captured;
+            }
+        }
+        let captured = stream_captures(js, subject).await;
+        self.captures.insert(subject.clone(), (captured, now));
+        captured
+    }
+
     /// Acknowledges a JetStream input message (nothing for core NATS input).
     async fn ack(&self, envelope: &Envelope) {
         if let Some(reply) = &envelope.ack {
@@ -534,7 +557,13 @@ impl ShardSink<Envelope> for NatsSink {
         }
         let kind = output_kind(publication.type_name);
         let subject = Subject::from(publication.subject.as_ref());
-        match self.confirm.clone() {
+        // JetStream mode confirms the storage of outputs that a stream stores; the others (core
+        // subscribers only) are published plainly: their confirmation could only time out.
+        let confirm = match self.confirm.clone() {
+            Some(js) if self.captured(&js, &publication.subject).await => Some(js),
+            _ => None,
+        };
+        match confirm {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some(js) => {
                 let stream_id = stream_id.unwrap_or_default();
@@ -567,17 +596,21 @@ impl ShardSink<Envelope> for NatsSink {
                     self.unconfirmed_total += 1;
                 }
                 if self.unconfirmed_total >= MAX_UNCONFIRMED {
-                    for (stream, pending) in std::mem::take(&mut self.unconfirmed) {
-                        if !self.await_confirmations(pending).await {
+                    // All streams' confirmations at once: one stream's slow confirmations must not
+                    // be waited for before the next stream's.
+                    let pending = std::mem::take(&mut self.unconfirmed);
+                    let this = &*self;
+                    let awaited = pending
+                        .into_iter()
+                        .map(|(stream, pending)| async move { (stream, this.await_confirmations(pending).await) });
+                    for (stream, stored) in futures::future::join_all(awaited).await {
+                        if !stored {
                             self.unconfirmed_failures.insert(stream);
                         }
                     }
                     self.unconfirmed_total = 0;
                 }
             }
-        }
-        if let Some(cause) = cause {
-            self.metrics.observe_event_latency(cause.received.elapsed());
         }
     }
 
@@ -613,6 +646,8 @@ impl ShardSink<Envelope> for NatsSink {
     }
 
     async fn applied(&mut self, stream_id: &str, envelope: Envelope) {
+        // Once per event, whatever number of outputs it had (all of them are handed over now).
+        self.metrics.observe_event_latency(envelope.received.elapsed());
         let (Some(reply), Some(sequence)) = (envelope.ack, envelope.sequence) else { return };
         let held = self.held.entry(stream_id.into()).or_default();
         // A redelivery of a held message replaces the reply subject: acks go to the latest

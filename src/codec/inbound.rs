@@ -321,7 +321,10 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
     if id.len() > MAX_ID_BYTES {
         return Err(DecodeError::InvalidMessageId("longer than 256 bytes"));
     }
-    if id.chars().any(char::is_control) {
+    // Control characters (`Cc`) are C0 (bytes below 0x20), DEL and C1 (U+0080 to U+009F, encoded
+    // as 0xC2 0x80..0x9F): a scan of the bytes first, of the characters only when one may be there.
+    let suspect = id.bytes().any(|b| b < 0x20 || b == 0x7f || b == 0xc2);
+    if suspect && id.chars().any(char::is_control) {
         return Err(DecodeError::InvalidMessageId("contains control characters"));
     }
     Ok(())
@@ -450,6 +453,19 @@ mod tests {
         let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"plain"}}"#);
         let detached = decode(json.as_bytes(), 1 << 20).unwrap().detach(json.as_bytes());
         let _ = detached.attach(b"short");
+    }
+
+    #[test]
+    fn ids_with_control_characters_are_refused_and_others_accepted() {
+        for bad in [r"a\tb", r"a\u007fb", r"a\u0085b", r"\u009f", r"\u0000"] {
+            let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{bad}"}},"delta":"x"}}"#);
+            assert_eq!(decode(json.as_bytes(), 1 << 20).unwrap_err().code(), "invalid_message_id", "{bad}");
+        }
+        // U+00A0 shares the 0xC2 lead byte with C1 controls; U+00C2 and é share nothing with them.
+        for good in [r"a\u00a0b", r"\u00c2", "café", "a~b"] {
+            let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{good}"}},"delta":"x"}}"#);
+            assert!(decode(json.as_bytes(), 1 << 20).is_ok(), "{good}");
+        }
     }
 
     #[test]
