@@ -9,7 +9,9 @@
 //!
 //! Strings borrow from the payload when they hold no JSON escapes (Go's encoder writes `<` as
 //! `\u003c`, so text with tags is usually decoded into an owned string). Errors never quote the
-//! payload: they name the problem and its position only, so they are safe to log.
+//! payload: they name the problem and its position only, so they are safe to log. A decoded event
+//! can be detached from its payload ([`DetachedEvent`]: borrowed strings become positions) to
+//! cross a task boundary beside the payload, and attached again there.
 
 use std::borrow::Cow;
 

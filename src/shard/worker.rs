@@ -4,11 +4,14 @@
 //! worker, so all events of a message are handled in order by one task and no lock is taken on
 //! the hot path. A full inbox makes [`ShardSet::route`] wait: backpressure reaches the
 //! subscription (and, past the client's buffer, shows up as a counted slow consumer). Each worker
-//! selects between its inbox and an expiry tick; when the inbox closes (shutdown), it finishes
-//! what is queued, closes every open stream with reason `shutdown`, and flushes its sink.
+//! selects between its inbox (taking up to 64 queued events at once) and an expiry tick; when the
+//! inbox closes (shutdown), it finishes what is queued, closes every open stream with reason
+//! `shutdown`, and flushes its sink.
 //!
-//! This module knows tokio but not NATS: events arrive with an opaque envelope `E` (the caller's
-//! message, for pass-through, dead letters and trace context) and leave through a [`ShardSink`].
+//! This module knows tokio but not NATS: events arrive detached from their payload (their
+//! strings are positions in it, so crossing into the worker copies none of them), with the
+//! payload and an opaque envelope `E` (the caller's message, for pass-through, dead letters and
+//! trace context), and leave through a [`ShardSink`].
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
