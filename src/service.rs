@@ -547,9 +547,15 @@ impl NatsSink {
 
 impl ShardSink<Envelope> for NatsSink {
     async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
-        // JetStream: confirmations are kept per stream (the id is moved into the header below).
+        // JetStream mode confirms the storage of outputs that a stream stores; the others (core
+        // subscribers only) are published plainly: their confirmation could only time out.
+        let confirm = match self.confirm.clone() {
+            Some(js) if self.captured(&js, &publication.subject).await => Some(js),
+            _ => None,
+        };
+        // Confirmations are kept per stream (taken before the id moves into the header).
         let stream_id: Option<Box<str>> =
-            self.confirm.is_some().then(|| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
+            confirm.as_ref().map(|_| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
         let mut headers = self.templates.headers(publication.type_name, publication.content_type);
         headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
@@ -557,16 +563,9 @@ impl ShardSink<Envelope> for NatsSink {
         }
         let kind = output_kind(publication.type_name);
         let subject = Subject::from(publication.subject.as_ref());
-        // JetStream mode confirms the storage of outputs that a stream stores; the others (core
-        // subscribers only) are published plainly: their confirmation could only time out.
-        let confirm = match self.confirm.clone() {
-            Some(js) if self.captured(&js, &publication.subject).await => Some(js),
-            _ => None,
-        };
-        match confirm {
+        match confirm.zip(stream_id) {
             None => self.send(kind, subject, headers, publication.payload).await,
-            Some(js) => {
-                let stream_id = stream_id.unwrap_or_default();
+            Some((js, stream_id)) => {
                 let payload = publication.payload;
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
                 let retry = match &sent {
@@ -775,7 +774,6 @@ async fn stream_captures(js: &async_nats::jetstream::Context, subject: &str) -> 
     }
 }
 
-/// The metric label of an output message type.
 /// The trace context headers of an input event (compared by name: an event carries few headers,
 /// so this is cheaper than hashing each name).
 fn trace_context(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
@@ -788,6 +786,7 @@ fn trace_context(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
     trace
 }
 
+/// The metric label of an output message type.
 fn output_kind(type_name: &str) -> OutputKind {
     use crate::codec::proto::names;
     match type_name {
