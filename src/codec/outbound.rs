@@ -450,7 +450,10 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
         + string_len(3, delta)
         + string_len(4, text)
         + string_len(6, reason)
-        + key_len(5) + 1 + key_len(7) + 1;
+        + key_len(5)
+        + 1
+        + key_len(7)
+        + 1;
     let mut buf = BytesMut::with_capacity(len);
     buf.put_slice(&header.stream_field);
     let string = |tag: u32, s: &str, buf: &mut BytesMut| {

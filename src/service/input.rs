@@ -639,7 +639,10 @@ impl Dispatcher {
 
     async fn dispatch(&mut self, shards: &ShardSet<Envelope>, envelope: Envelope) {
         // By name, not by hash lookup: events carry few headers, and most carry none.
-        let probe = envelope.headers.as_ref().is_some_and(|h| h.iter().any(|(name, _)| AsRef::<str>::as_ref(name) == PROBE_HEADER));
+        let probe = envelope
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.iter().any(|(name, _)| AsRef::<str>::as_ref(name) == PROBE_HEADER));
         if probe {
             self.sink.ack(&envelope).await;
             return;

@@ -380,7 +380,8 @@ mod tests {
         let delta = |id: &str, text: &str, envelope| {
             event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
         };
-        let fin = |id: &str, envelope| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), envelope);
+        let fin =
+            |id: &str, envelope| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), envelope);
         set.route(delta("bad", "before ", 1)).await.unwrap();
         set.route(delta("good", "a ", 2)).await.unwrap();
         set.route(delta("bad", "boom", 3)).await.unwrap();
