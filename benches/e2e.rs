@@ -32,7 +32,7 @@
 //!   ends with a backlog phase per system: the workload is stored in a fresh stream first (every
 //!   publish confirmed), then the system starts and drains it (the catch-up rate after an outage,
 //!   apart from the cost of storing events at the same time; no latency).
-//! * The service runs in this process (`RunningService::start`, 2 shards, HTTP off). The relay is
+//! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
 //!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
 //!   producer runs on its own thread and client; the subscriber on another client.
 //!
@@ -91,7 +91,7 @@ struct Args {
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
-[--rounds R (1)] [--shards N (2)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service | --profile-relay]";
+[--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -106,7 +106,7 @@ fn parse_args() -> Result<Args> {
         cumulative: true,
         window: 20_000,
         rounds: 1,
-        shards: 2,
+        shards: 0,
         smoke: !bench,
         profile: None,
         ack_pending: None,
@@ -126,7 +126,7 @@ fn parse_args() -> Result<Args> {
             "--idle-streams" => idle = Some(number(a, it.next())?),
             "--window" => args.window = number(a, it.next())?.max(100) as u64,
             "--rounds" => args.rounds = number(a, it.next())?.clamp(1, 10),
-            "--shards" => args.shards = number(a, it.next())?.max(1),
+            "--shards" => args.shards = number(a, it.next())?,
             "--quick" => args.quick = true,
             "--no-completion" => args.cumulative = false,
             "--profile-service" => args.profile = Some(System::Service),
@@ -1173,7 +1173,11 @@ fn report(
         if args.cumulative { "with " } else { "no " },
         workload.expected_outputs,
         workload.expected_outputs as f64 / events.max(1) as f64,
-        args.shards,
+        {
+            let mut effective = Config::default();
+            effective.shards.count = args.shards;
+            effective.shard_count()
+        },
         args.window,
         std::env::args().skip(1).filter(|a| a != "--bench").collect::<Vec<_>>().join(" "),
         wall,

@@ -457,7 +457,8 @@ impl Default for JetStreamConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ShardConfig {
-    /// Worker tasks, each owning the streams whose message id hashes to it. 0 means one per CPU.
+    /// Worker tasks, each owning the streams whose message id hashes to it. 0 means one per CPU
+    /// less one (at least one): the input's decoding and the NATS connection need a CPU too.
     pub count: usize,
     /// Events queued per worker. When full, the subscription waits (backpressure reaches the
     /// NATS client's buffer, whose overflow is logged and counted as a slow consumer).
@@ -725,7 +726,11 @@ impl Config {
     /// The effective number of shard workers.
     pub fn shard_count(&self) -> usize {
         match self.shards.count {
-            0 => std::thread::available_parallelism().map_or(1, usize::from),
+            // The dispatcher decodes every event and the connection task writes every output: a
+            // worker per CPU leaves them competing with the workers, and every event then wakes a
+            // worker parked on another CPU. On 2 CPUs one worker costs about 18% less CPU per
+            // event than two (BENCHMARKS.md, fourth session).
+            0 => std::thread::available_parallelism().map_or(1, |n| usize::from(n).saturating_sub(1).max(1)),
             n => n,
         }
     }
@@ -752,6 +757,8 @@ mod tests {
             assert_eq!(c.input.subjects, vec!["chat".to_owned()]);
             assert_eq!(c.pipeline.max_capture_bytes, 1 << 20);
             assert_eq!(c.tags.len(), 3);
+            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+            assert_eq!(c.shard_count(), (cpus - 1).max(1), "one worker per CPU less one, at least one");
             Ok(())
         });
     }
