@@ -165,6 +165,7 @@ impl RunningService {
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
             templates: HeaderTemplates::default(),
+            subjects: Subjects::default(),
             held: HashMap::new(),
             // A short timeout: a confirmation lost with a failing server is published again soon
             // instead of holding the worker for async-nats' default of 5 s per awaited
@@ -345,6 +346,7 @@ pub struct NatsSink {
     dead_letter: Subject,
     reported: Reported,
     templates: HeaderTemplates,
+    subjects: Subjects,
     /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
     /// delivery).
     held: HashMap<Box<str>, Vec<(u64, Subject)>>,
@@ -383,6 +385,24 @@ impl HeaderTemplates {
         headers.insert(TYPE_HEADER_NAME, type_name);
         self.0.push((type_name, content_type, headers.clone()));
         headers
+    }
+}
+
+/// The NATS subject of each output subject, converted once: the encoder's subjects are a few
+/// shared strings fixed by the configuration, and converting one costs an allocation and a copy
+/// per output. Bounded like [`HeaderTemplates`].
+#[derive(Default)]
+struct Subjects(Vec<(Arc<str>, Subject)>);
+
+impl Subjects {
+    fn get(&mut self, subject: &Arc<str>) -> Subject {
+        // By pointer first: every output of a type shares its encoder's string.
+        if let Some((_, s)) = self.0.iter().find(|(k, _)| Arc::ptr_eq(k, subject) || **k == **subject) {
+            return s.clone();
+        }
+        let converted = Subject::from(subject.as_ref());
+        self.0.push((subject.clone(), converted.clone()));
+        converted
     }
 }
 
@@ -427,6 +447,7 @@ impl Clone for NatsSink {
             dead_letter: self.dead_letter.clone(),
             reported: Reported::default(),
             templates: HeaderTemplates::default(),
+            subjects: Subjects::default(),
             held: HashMap::new(),
             confirm: self.confirm.clone(),
             captures: HashMap::new(),
@@ -562,7 +583,7 @@ impl ShardSink<Envelope> for NatsSink {
             headers.insert(name.clone(), value.clone());
         }
         let kind = output_kind(publication.type_name);
-        let subject = Subject::from(publication.subject.as_ref());
+        let subject = self.subjects.get(&publication.subject);
         match confirm.zip(stream_id) {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some((js, stream_id)) => {
