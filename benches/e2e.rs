@@ -1412,6 +1412,10 @@ fn main() -> Result<()> {
     let _ = epoch();
     let _ = LOAD_AT_START.set(loadavg());
     let args = parse_args()?;
+    if let Ok(filter) = std::env::var("RUST_LOG") {
+        // Opt in: the service's logs on stderr, to see why a phase stalls.
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
     let wall = Instant::now();
     let server = NatsServer::start(args.mode == Mode::JetStream)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
