@@ -1162,7 +1162,7 @@ fn report(
         out,
         "Workload: {} streams × ~{} events = {} events, mean {} B/event ({}cumulative `completion`/`text`), \
          published round-robin over the streams to `{INPUT_SUBJECT}` with a `{EVENT_HEADER}` header; the service \
-         emits {} outputs ({:.2} per event: {f} filtered, {b} block, {t} thinking, {tl} tool). Service: {} shards, \
+         emits {} outputs ({:.2} per event: {f} filtered, {b} block, {t} thinking, {tl} tool). Service: {} shard worker(s), \
          default configuration otherwise. Max rate: closed loop, at most {} outputs outstanding. Command: `cargo \
          bench --bench e2e -- {}`. Wall time {:.0} s; load average {} at the start, {} at the end (2 cores: \
          above 2 means other work was competing).\n",

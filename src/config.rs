@@ -728,8 +728,8 @@ impl Config {
         match self.shards.count {
             // The dispatcher decodes every event and the connection task writes every output: a
             // worker per CPU leaves them competing with the workers, and every event then wakes a
-            // worker parked on another CPU. On 2 CPUs one worker costs about 18% less CPU per
-            // event than two (BENCHMARKS.md, fourth session).
+            // worker parked on another CPU. On 2 CPUs one worker costs 10 to 22% less CPU per
+            // event than two, for the same instructions (BENCHMARKS.md, fourth session).
             0 => std::thread::available_parallelism().map_or(1, |n| usize::from(n).saturating_sub(1).max(1)),
             n => n,
         }
