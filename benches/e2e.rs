@@ -550,6 +550,16 @@ fn jetstream_config(config: &mut Config, workload_events: usize, ack_pending: Op
         ack_pending.unwrap_or((workload_events as i64 + 10_000).max(config.jetstream.max_ack_pending));
 }
 
+/// The stream over `chat` the relay creates and the backlog phase fills (the service creates the
+/// same from its configuration when it does not exist).
+fn js_stream_config() -> async_nats::jetstream::stream::Config {
+    async_nats::jetstream::stream::Config {
+        name: JS_STREAM.into(),
+        subjects: vec![INPUT_SUBJECT.into()],
+        ..Default::default()
+    }
+}
+
 async fn delete_js_stream(admin: &async_nats::Client) {
     let js = async_nats::jetstream::new(admin.clone());
     let _ = js.delete_stream(JS_STREAM).await;
@@ -563,17 +573,10 @@ const PREFILL_IN_FLIGHT: usize = 2048;
 /// backlog phase measures how fast a system consumes stored events (catching up after an outage)
 /// apart from the cost of storing them.
 async fn prefill(admin: &async_nats::Client, workload: &Workload) -> Result<()> {
-    use async_nats::jetstream::{self, stream};
+    use async_nats::jetstream;
     delete_js_stream(admin).await;
     let js = jetstream::new(admin.clone());
-    let mut st = js
-        .create_stream(stream::Config {
-            name: JS_STREAM.into(),
-            subjects: vec![INPUT_SUBJECT.into()],
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| anyhow!("backlog stream: {e}"))?;
+    let mut st = js.create_stream(js_stream_config()).await.map_err(|e| anyhow!("backlog stream: {e}"))?;
     let mut in_flight = std::collections::VecDeque::with_capacity(PREFILL_IN_FLIGHT);
     for &g in &workload.order {
         let mut headers = HeaderMap::new();
@@ -642,16 +645,10 @@ async fn start_system(
                     })
                 }
                 Mode::JetStream => {
-                    use async_nats::jetstream::{self, consumer::pull, stream};
+                    use async_nats::jetstream::{self, consumer::pull};
                     let js = jetstream::new(client.clone());
-                    let st = js
-                        .get_or_create_stream(stream::Config {
-                            name: JS_STREAM.into(),
-                            subjects: vec![INPUT_SUBJECT.into()],
-                            ..Default::default()
-                        })
-                        .await
-                        .map_err(|e| anyhow!("relay stream: {e}"))?;
+                    let st =
+                        js.get_or_create_stream(js_stream_config()).await.map_err(|e| anyhow!("relay stream: {e}"))?;
                     let consumer = st
                         .create_consumer(pull::Config {
                             durable_name: Some(JS_RELAY_CONSUMER.into()),
