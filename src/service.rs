@@ -164,8 +164,7 @@ impl RunningService {
                 .then(|| Subject::from(config.input.pass_through_subject.as_str())),
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
-            templates: HeaderTemplates::default(),
-            subjects: Subjects::default(),
+            templates: OutputTemplates::default(),
             held: HashMap::new(),
             // A short timeout: a confirmation lost with a failing server is published again soon
             // instead of holding the worker for async-nats' default of 5 s per awaited
@@ -345,8 +344,7 @@ pub struct NatsSink {
     pass_through: Option<Subject>,
     dead_letter: Subject,
     reported: Reported,
-    templates: HeaderTemplates,
-    subjects: Subjects,
+    templates: OutputTemplates,
     /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
     /// delivery).
     held: HashMap<Box<str>, Vec<(u64, Subject)>>,
@@ -368,41 +366,50 @@ pub struct NatsSink {
     stopping: CancellationToken,
 }
 
-/// The headers every output of one message type carries (`Content-Type`,
-/// `Structured-Sink-Type`), built once per type and cloned for each output: building a header map
-/// entry by entry costs a name lookup, a hash and two allocations per header. One entry per
-/// output message type, so bounded by the schema registry.
+/// What every output of one kind shares, prepared once and cloned for each output: its NATS
+/// subject (converting the encoder's subject string costs an allocation and a copy) and its
+/// `Content-Type` and `Structured-Sink-Type` headers (building a header map entry by entry costs a
+/// name lookup, a hash and two allocations per header). Keyed by subject, message type and content
+/// type, all fixed by the configuration and the schema registry, so bounded by them.
 #[derive(Default)]
-struct HeaderTemplates(Vec<(&'static str, &'static str, HeaderMap)>);
+struct OutputTemplates(Vec<OutputTemplate>);
 
-impl HeaderTemplates {
-    fn headers(&mut self, type_name: &'static str, content_type: &'static str) -> HeaderMap {
-        if let Some((_, _, headers)) = self.0.iter().find(|(t, c, _)| *t == type_name && *c == content_type) {
-            return headers.clone();
-        }
-        let mut headers = HeaderMap::new();
-        headers.insert(CONTENT_TYPE_HEADER, content_type);
-        headers.insert(TYPE_HEADER_NAME, type_name);
-        self.0.push((type_name, content_type, headers.clone()));
-        headers
-    }
+struct OutputTemplate {
+    subject_text: Arc<str>,
+    type_name: &'static str,
+    content_type: &'static str,
+    subject: Subject,
+    headers: HeaderMap,
 }
 
-/// The NATS subject of each output subject, converted once: the encoder's subjects are a few
-/// shared strings fixed by the configuration, and converting one costs an allocation and a copy
-/// per output. Bounded like [`HeaderTemplates`].
-#[derive(Default)]
-struct Subjects(Vec<(Arc<str>, Subject)>);
-
-impl Subjects {
-    fn get(&mut self, subject: &Arc<str>) -> Subject {
-        // By pointer first: every output of a type shares its encoder's string.
-        if let Some((_, s)) = self.0.iter().find(|(k, _)| Arc::ptr_eq(k, subject) || **k == **subject) {
-            return s.clone();
-        }
-        let converted = Subject::from(subject.as_ref());
-        self.0.push((subject.clone(), converted.clone()));
-        converted
+impl OutputTemplates {
+    fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap) {
+        let (subject_text, type_name, content_type) =
+            (&publication.subject, publication.type_name, publication.content_type);
+        // The subject by pointer first: every output of a kind shares its encoder's string.
+        let found = self.0.iter().find(|t| {
+            (Arc::ptr_eq(&t.subject_text, subject_text) || t.subject_text == *subject_text)
+                && t.type_name == type_name
+                && t.content_type == content_type
+        });
+        let template = match found {
+            Some(template) => template,
+            None => {
+                let mut headers = HeaderMap::new();
+                headers.insert(CONTENT_TYPE_HEADER, content_type);
+                headers.insert(TYPE_HEADER_NAME, type_name);
+                let subject = Subject::from(subject_text.as_ref());
+                self.0.push(OutputTemplate {
+                    subject_text: subject_text.clone(),
+                    type_name,
+                    content_type,
+                    subject,
+                    headers,
+                });
+                self.0.last().expect("just pushed")
+            }
+        };
+        (template.subject.clone(), template.headers.clone())
     }
 }
 
@@ -446,8 +453,7 @@ impl Clone for NatsSink {
             pass_through: self.pass_through.clone(),
             dead_letter: self.dead_letter.clone(),
             reported: Reported::default(),
-            templates: HeaderTemplates::default(),
-            subjects: Subjects::default(),
+            templates: OutputTemplates::default(),
             held: HashMap::new(),
             confirm: self.confirm.clone(),
             captures: HashMap::new(),
@@ -577,13 +583,12 @@ impl ShardSink<Envelope> for NatsSink {
         // Confirmations are kept per stream (taken before the id moves into the header).
         let stream_id: Option<Box<str>> =
             confirm.as_ref().map(|_| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
-        let mut headers = self.templates.headers(publication.type_name, publication.content_type);
+        let (subject, mut headers) = self.templates.prepared(&publication);
         headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
             headers.insert(name.clone(), value.clone());
         }
         let kind = output_kind(publication.type_name);
-        let subject = self.subjects.get(&publication.subject);
         match confirm.zip(stream_id) {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some((js, stream_id)) => {
