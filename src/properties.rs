@@ -175,11 +175,15 @@ pub fn chunking_invariance(input: &[u8], cuts: &[usize], restore: bool, unescape
     }
 }
 
-/// **Event decoding.** Decoding arbitrary bytes never panics; an accepted event is within the
-/// size limit, has a usable message id and stream id (non-empty, at most [`MAX_ID_BYTES`], no
+/// **Event decoding.** Decoding arbitrary bytes never panics; the single-pass reader either
+/// leaves a payload to serde_json or reads exactly the fields serde_json reads; an accepted event
+/// is within the size limit, has a usable message id and stream id (non-empty, at most [`MAX_ID_BYTES`], no
 /// control characters), and decodes to the same event again; an error has a stable reason code.
 pub fn event_decoding(payload: &[u8]) {
     const LIMIT: usize = 64 * 1024;
+    if let Err(difference) = crate::codec::inbound::reader_agrees_with_serde(payload) {
+        panic!("the single-pass reader disagrees with serde_json: {difference}");
+    }
     match decode(payload, LIMIT) {
         Ok(event) => {
             assert!(payload.len() <= LIMIT);
@@ -416,6 +420,11 @@ mod campaigns {
         }
 
         #[test]
+        fn campaign_event_decoding_of_geppetto_shapes(event in geppetto_json()) {
+            event_decoding(&event);
+        }
+
+        #[test]
         fn campaign_payload_parsing(input in hostile_bytes(), cuts in cuts()) {
             let text = String::from_utf8_lossy(&input);
             payload_parsing(&text, &cuts);
@@ -466,6 +475,114 @@ mod campaigns {
                 }
                 bytes
             })
+    }
+
+    /// Geppetto events written the way producers write them (Go's escapes, white space, numbers,
+    /// nested values the decoder skips, `null`s, repeated and escaped keys), then mutated byte by
+    /// byte: the shapes the single-pass reader handles and the near misses it must leave to serde.
+    fn geppetto_json() -> impl Strategy<Value = Vec<u8>> {
+        let string = prop_oneof![
+            Just(r#""plain""#.to_owned()),
+            Just(r#""""#.to_owned()),
+            Just(r#""3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071""#.to_owned()),
+            Just(r#""a \u003ctag\u003e \u0026 \n\t\"q\" \\ \/ \b\f\r""#.to_owned()),
+            Just(r#""caf\u00e9 é — \u2028""#.to_owned()),
+            Just(r#""\ud83d\ude00 pair""#.to_owned()),
+            Just(r#""\ud800 lone""#.to_owned()),
+            Just(r#""\uDFFF""#.to_owned()),
+            Just(r#""bad \x escape""#.to_owned()),
+            Just(r#""short \u12""#.to_owned()),
+            Just("\"raw\u{1}control\"".to_owned()),
+            Just("\"\u{7f}del and 😀\"".to_owned()),
+            "[a-z0-9 <>&\\\\\"\u{e9}\n]{0,40}".prop_map(|t| serde_json::to_string(&t).expect("a string serializes")),
+        ];
+        let scalar = prop_oneof![
+            string.clone(),
+            Just("null".to_owned()),
+            Just("true".to_owned()),
+            Just("false".to_owned()),
+            Just("0".to_owned()),
+            Just("-12.5e+3".to_owned()),
+            Just("1E9".to_owned()),
+            Just("01".to_owned()),
+            Just("1.".to_owned()),
+            Just("-".to_owned()),
+            Just("2e".to_owned()),
+            Just("nul".to_owned()),
+        ];
+        let value = scalar.prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(|items| format!("[{}]", items.join(","))),
+                prop::collection::vec(("[a-z_]{1,6}", inner), 0..4).prop_map(|members| {
+                    let members: Vec<String> = members.into_iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+                    format!("{{ {} }}", members.join(" , "))
+                }),
+            ]
+        });
+        let key = prop_oneof![
+            Just("type"),
+            Just("delta"),
+            Just("completion"),
+            Just("text"),
+            Just("finish_reason"),
+            Just("sequence"),
+            Just("error"),
+            Just("meta"),
+            Just("correlation"),
+            Just("t\\u0079pe"),
+            Just("kl\u{e9}"),
+        ];
+        let meta_key = prop_oneof![
+            Just("message_id"),
+            Just("session_id"),
+            Just("run_id"),
+            Just("inference_id"),
+            Just("turn_id"),
+            Just("stop_reason"),
+            Just("segment_id"),
+            Just("provider_call_id"),
+            Just("model"),
+            Just("usage"),
+        ];
+        let nested = prop::collection::vec((meta_key, prop_oneof![3 => string.clone(), 1 => value.clone()]), 0..6)
+            .prop_map(|members| {
+                let members: Vec<String> = members.into_iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+                format!("{{{}}}", members.join(","))
+            });
+        let member_value = prop_oneof![4 => string, 2 => nested, 1 => value];
+        let kind = prop_oneof![
+            Just(r#""partial""#),
+            Just(r#""final""#),
+            Just(r#""text-delta""#),
+            Just(r#""text-segment-finished""#),
+            Just(r#""interrupt""#),
+            Just(r#""tool-call""#),
+        ];
+        let members = prop::collection::vec((key, member_value), 0..7);
+        let mutation = prop::collection::vec((any::<u16>(), 0u8..4, any::<u8>()), 0..3);
+        (kind, members, prop_oneof![Just(""), Just(" "), Just("\n\t ")], mutation).prop_map(
+            |(kind, members, space, mutations)| {
+                let mut text = format!(r#"{space}{{"type":{kind},"meta":{{"message_id":"m-1"}}"#);
+                for (key, value) in members {
+                    text.push_str(&format!(",{space}\"{key}\"{space}:{space}{value}"));
+                }
+                text.push('}');
+                text.push_str(space);
+                let mut bytes = text.into_bytes();
+                for (at, how, byte) in mutations {
+                    let at = usize::from(at) % (bytes.len() + 1);
+                    match how {
+                        0 if at < bytes.len() => {
+                            bytes.remove(at);
+                        }
+                        1 => bytes.insert(at, byte),
+                        2 if at < bytes.len() => bytes[at] = byte,
+                        _ => bytes.truncate(at),
+                    }
+                }
+                bytes
+            },
+        )
     }
 
     /// JSON values shaped like the fuzz schema's messages, with wrong types and deep nesting.

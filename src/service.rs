@@ -1,13 +1,14 @@
 //! The service: the one module that sees everything and wires it together.
 //!
-//! Start-up: validate configuration, connect to NATS, start the shard workers, subscribe to the
-//! input subjects (one dispatcher task per subject), register with the NATS service API, serve
-//! metrics and health. Each dispatcher decodes events (bad ones go to the dead-letter subject
-//! from here) and routes the rest by message id to a shard worker, which runs the pipeline and
-//! publishes through a [`NatsSink`].
+//! Start-up: validate configuration, connect to NATS, subscribe to the input subjects (one
+//! dispatcher task per subject or partition consumer), start the shards, register with the NATS
+//! service API, serve metrics and health. Each dispatcher decodes events (bad ones go to the
+//! dead-letter subject from here) and routes the rest by message id to a shard worker, which runs
+//! the pipeline and publishes through a [`NatsSink`]; with one input and one shard the dispatcher
+//! owns the shard and applies events itself.
 //!
 //! Shutdown, in this order, within `service.shutdown_timeout_ms`: stop input (drain every
-//! subscription, dispatching what was already delivered), let workers empty their inboxes and
+//! subscription, dispatching what was already delivered), let shards apply what is queued and
 //! close open streams with reason `shutdown`, flush the publisher, stop the service API and the
 //! HTTP server. Telemetry is shut down last by the caller.
 
@@ -34,7 +35,7 @@ use crate::metrics::{
 };
 use crate::pipeline::PipelineStats;
 use crate::shard::table::{StreamTable, TableLimits, TableStats};
-use crate::shard::worker::{ShardSet, ShardSettings, ShardSink};
+use crate::shard::worker::{Shard, ShardSet, ShardSettings, ShardSink};
 use crate::typed::SchemaRegistry;
 
 /// Header naming the protobuf message type of an output.
@@ -150,12 +151,6 @@ impl RunningService {
             max_streams: (config.shards.max_streams / config.shard_count()).max(1),
             finished_memory: config.shards.finished_memory,
         };
-        let settings = ShardSettings {
-            count: config.shard_count(),
-            inbox_capacity: config.shards.inbox_capacity,
-            expiry_tick: Duration::from_millis(config.shards.expiry_tick_ms),
-            close_on_shutdown: !config.jetstream.enabled,
-        };
         let cancel = CancellationToken::new();
         let sink_template = NatsSink {
             client: client.clone(),
@@ -179,22 +174,42 @@ impl RunningService {
             unconfirmed_failures: Default::default(),
             stopping: cancel.clone(),
         };
-        let shards = ShardSet::start(settings, |_| {
-            (StreamTable::new(pipeline.clone(), encoder.clone(), limits), sink_template.clone())
-        });
-        let shards = Arc::new(shards);
 
         let ownership = Arc::new(input::Ownership::new(&config)?);
         if config.partitions.mode == crate::config::PartitionMode::Subject && config.partitions.verify_mapping {
             input::verify_mapping(&client, &ownership).await?;
         }
-        let mut dispatchers = Vec::new();
         let sources = input::open_sources(&client, &config, &ownership).await?;
         let subjects: Vec<String> = sources.iter().map(|(subject, _)| subject.clone()).collect();
+        let expiry_tick = Duration::from_millis(config.shards.expiry_tick_ms);
+        let close_on_shutdown = !config.jetstream.enabled;
+        let table = || StreamTable::new(pipeline.clone(), encoder.clone(), limits);
+        // One source and one shard: the dispatcher applies events itself (no hand-off). Otherwise
+        // worker tasks, fed by message id from every source.
+        let shards = (config.shard_count() > 1 || sources.len() > 1).then(|| {
+            let settings = ShardSettings {
+                count: config.shard_count(),
+                inbox_capacity: config.shards.inbox_capacity,
+                expiry_tick,
+                close_on_shutdown,
+            };
+            Arc::new(ShardSet::start(settings, |_| (table(), sink_template.clone())))
+        });
+        let mut dispatchers = Vec::new();
         for (_, source) in sources {
+            let route = match &shards {
+                Some(shards) => input::Route::Shards(shards.clone()),
+                None => input::Route::Own(Box::new(Shard::new(
+                    0,
+                    table(),
+                    sink_template.clone(),
+                    expiry_tick,
+                    close_on_shutdown,
+                ))),
+            };
             let dispatcher = input::Dispatcher {
                 source,
-                shards: shards.clone(),
+                route,
                 sink: sink_template.clone(),
                 max_event_bytes: config.input.max_event_bytes,
                 cancel: cancel.clone(),
@@ -239,7 +254,7 @@ impl RunningService {
             client,
             cancel,
             dispatchers,
-            shards: Some(shards),
+            shards,
             api: Some(api),
             status: Some(status),
             http,
@@ -327,9 +342,10 @@ async fn round_trip(client: &async_nats::Client) {
     }
 }
 
-/// Counters last reported by a worker, to turn totals into increments.
-#[derive(Debug, Clone, Copy, Default)]
+/// Counters last reported by a shard, to turn totals into increments.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Reported {
+    open_streams: usize,
     table: TableStats,
     pipeline: PipelineStats,
 }
@@ -572,7 +588,9 @@ impl NatsSink {
     }
 }
 
-impl ShardSink<Envelope> for NatsSink {
+impl ShardSink for NatsSink {
+    type Envelope = Envelope;
+
     async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
         // JetStream mode confirms the storage of outputs that a stream stores; the others (core
         // subscribers only) are published plainly: their confirmation could only time out.
@@ -711,6 +729,11 @@ impl ShardSink<Envelope> for NatsSink {
     }
 
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats) {
+        let now = Reported { open_streams, table, pipeline };
+        // Most events change no counter: then nothing is written to the shared metrics.
+        if now == self.reported {
+            return;
+        }
         let (last, m) = (self.reported, &self.metrics);
         m.set_streams_open(shard, open_streams as u64);
         m.count_streams_opened(table.opened - last.table.opened);
@@ -730,7 +753,7 @@ impl ShardSink<Envelope> for NatsSink {
         );
         m.count_blocks_failed(BlockFailure::TooDeep, table.typed.too_deep - last.table.typed.too_deep);
         m.count_snapshots_skipped(pipeline.snapshot_budget_skips - last.pipeline.snapshot_budget_skips);
-        self.reported = Reported { table, pipeline };
+        self.reported = now;
     }
 
     async fn flush(&mut self) {

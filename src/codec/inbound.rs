@@ -13,8 +13,11 @@
 //! can be detached from its payload ([`DetachedEvent`]: borrowed strings become positions) to
 //! cross a task boundary beside the payload, and attached again there.
 
+mod reader;
+
 use std::borrow::Cow;
 
+use reader::Fields;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -308,8 +311,8 @@ struct WireCorrelation<'a> {
     provider_call_id: Option<Str<'a>>,
 }
 
-fn non_empty(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
-    v.map(|s| s.0).filter(|s| !s.is_empty())
+fn non_empty(v: Option<Cow<'_, str>>) -> Option<Cow<'_, str>> {
+    v.filter(|s| !s.is_empty())
 }
 
 fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
@@ -325,11 +328,27 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
     }
     // Control characters (`Cc`) are C0 (bytes below 0x20), DEL and C1 (U+0080 to U+009F, encoded
     // as 0xC2 0x80..0x9F): a scan of the bytes first, of the characters only when one may be there.
-    let suspect = id.bytes().any(|b| b < 0x20 || b == 0x7f || b == 0xc2);
-    if suspect && id.chars().any(char::is_control) {
+    if may_hold_control_characters(id.as_bytes()) && id.chars().any(char::is_control) {
         return Err(DecodeError::InvalidMessageId("contains control characters"));
     }
     Ok(())
+}
+
+/// Whether `bytes` holds a byte below 0x20, DEL (0x7f) or 0xc2 (the lead byte of C1 controls),
+/// eight bytes at a time (ids are checked on every event).
+fn may_hold_control_characters(bytes: &[u8]) -> bool {
+    const ONES: u64 = u64::MAX / 255;
+    const HIGHS: u64 = ONES << 7;
+    let has = |word: u64, b: u8| {
+        let x = word ^ (ONES * u64::from(b));
+        x.wrapping_sub(ONES) & !x & HIGHS != 0
+    };
+    let mut chunks = bytes.chunks_exact(8);
+    let found = chunks.by_ref().any(|chunk| {
+        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
+        word.wrapping_sub(ONES * 0x20) & !word & HIGHS != 0 || has(word, 0x7f) || has(word, 0xc2)
+    });
+    found || chunks.remainder().iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
 }
 
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.
@@ -337,38 +356,43 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     if payload.len() > max_event_bytes {
         return Err(DecodeError::TooLarge { size: payload.len(), limit: max_event_bytes });
     }
-    let wire: Wire<'_> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
-    let kind = non_empty(wire.kind).ok_or(DecodeError::MissingType)?;
-    let meta = wire.meta.unwrap_or_default();
-    let message_id = non_empty(meta.message_id).ok_or(DecodeError::MissingMessageId)?;
-    let correlation = wire.correlation.unwrap_or_default();
-    let stream_id = non_empty(correlation.segment_id)
-        .or_else(|| non_empty(correlation.provider_call_id))
+    // The common shapes in one pass of our own; serde_json for everything else, and for errors.
+    let fields = match reader::read(payload) {
+        Some(fields) => fields,
+        None => read_with_serde(payload)?,
+    };
+    let kind = non_empty(fields.kind).ok_or(DecodeError::MissingType)?;
+    let message_id = non_empty(fields.message_id).ok_or(DecodeError::MissingMessageId)?;
+    let stream_id = non_empty(fields.segment_id)
+        .or_else(|| non_empty(fields.provider_call_id))
         .unwrap_or_else(|| message_id.clone());
     check_id(&message_id)?;
-    check_id(&stream_id)?;
+    // Most streams are identified by their message id, checked just now.
+    if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
+        check_id(&stream_id)?;
+    }
     let stream = StreamIdentity {
         message_id,
         stream_id,
-        session_id: non_empty(meta.session_id).or(cow(meta.run_id)).unwrap_or_default(),
-        inference_id: cow(meta.inference_id).unwrap_or_default(),
-        turn_id: cow(meta.turn_id).unwrap_or_default(),
+        session_id: non_empty(fields.session_id).or(fields.run_id).unwrap_or_default(),
+        inference_id: fields.inference_id.unwrap_or_default(),
+        turn_id: fields.turn_id.unwrap_or_default(),
     };
     let action = match kind.as_ref() {
-        "partial" | "text-delta" => EventAction::Delta(cow(wire.delta).ok_or(DecodeError::MissingField {
+        "partial" | "text-delta" => EventAction::Delta(fields.delta.ok_or(DecodeError::MissingField {
             kind: if kind == "partial" { "partial" } else { "text-delta" },
             field: "delta",
         })?),
         "final" => EventAction::Finish {
-            text: whole_text(payload, wire.text)?,
-            reason: non_empty(meta.stop_reason).unwrap_or(Cow::Borrowed("stop")),
+            text: whole_text(payload, fields.text)?,
+            reason: non_empty(fields.stop_reason).unwrap_or(Cow::Borrowed("stop")),
         },
         "text-segment-finished" => EventAction::Finish {
-            text: whole_text(payload, wire.text)?,
-            reason: non_empty(wire.finish_reason).unwrap_or(Cow::Borrowed("stop")),
+            text: whole_text(payload, fields.text)?,
+            reason: non_empty(fields.finish_reason).unwrap_or(Cow::Borrowed("stop")),
         },
         "interrupt" => {
-            EventAction::Finish { text: whole_text(payload, wire.text)?, reason: Cow::Borrowed("interrupt") }
+            EventAction::Finish { text: whole_text(payload, fields.text)?, reason: Cow::Borrowed("interrupt") }
         }
         "error" => EventAction::Finish { text: None, reason: Cow::Borrowed("error") },
         _ => EventAction::PassThrough,
@@ -376,15 +400,49 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     Ok(InboundEvent { kind, stream, action })
 }
 
+/// The fields as serde_json reads them: the reference for [`reader::read`], and the decoder of
+/// every payload that reader leaves to it.
+fn read_with_serde(payload: &[u8]) -> Result<Fields<'_>, DecodeError> {
+    let wire: Wire<'_> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
+    let meta = wire.meta.unwrap_or_default();
+    let correlation = wire.correlation.unwrap_or_default();
+    Ok(Fields {
+        kind: cow(wire.kind),
+        delta: cow(wire.delta),
+        text: wire.text.map(RawValue::get),
+        finish_reason: cow(wire.finish_reason),
+        message_id: cow(meta.message_id),
+        session_id: cow(meta.session_id),
+        run_id: cow(meta.run_id),
+        inference_id: cow(meta.inference_id),
+        turn_id: cow(meta.turn_id),
+        stop_reason: cow(meta.stop_reason),
+        segment_id: cow(correlation.segment_id),
+        provider_call_id: cow(correlation.provider_call_id),
+    })
+}
+
+/// Whether the single-pass reader gives exactly what serde_json gives for `payload` (or leaves
+/// it to serde): the property `properties::event_decoding` checks for every payload it sees.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn reader_agrees_with_serde(payload: &[u8]) -> Result<(), String> {
+    let Some(read) = reader::read(payload) else { return Ok(()) };
+    match read_with_serde(payload) {
+        Ok(reference) if reference == read => Ok(()),
+        Ok(reference) => Err(format!("the reader read {read:?}, serde {reference:?}")),
+        Err(e) => Err(format!("the reader accepted what serde refuses: {e}")),
+    }
+}
+
 /// Decodes the `text` field of a finishing event, kept raw by the first pass. An error is a wrong
 /// field type, positioned in the whole payload.
-fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a RawValue>) -> Result<Option<Cow<'a, str>>, DecodeError> {
+fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a str>) -> Result<Option<Cow<'a, str>>, DecodeError> {
     let Some(raw) = raw else { return Ok(None) };
-    match serde_json::from_str::<Str<'a>>(raw.get()) {
+    match serde_json::from_str::<Str<'a>>(raw) {
         Ok(text) => Ok(Some(text.0)),
         Err(_) => {
             // `raw` borrows from `payload`: its offset gives the position.
-            let offset = (raw.get().as_ptr() as usize).saturating_sub(payload.as_ptr() as usize).min(payload.len());
+            let offset = (raw.as_ptr() as usize).saturating_sub(payload.as_ptr() as usize).min(payload.len());
             let before = &payload[..offset];
             let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
             let column = offset - before.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
@@ -414,6 +472,31 @@ mod tests {
     use super::*;
 
     const MID: &str = "3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071";
+
+    #[test]
+    fn the_word_wise_control_check_finds_what_a_byte_wise_one_finds() {
+        let suspect = |b: u8| b < 0x20 || b == 0x7f || b == 0xc2;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..40 {
+            for _ in 0..200 {
+                let bytes: Vec<u8> = (0..len)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        // Mostly printable, sometimes a byte near the suspects.
+                        match seed % 16 {
+                            0 => {
+                                [0x00, 0x1f, 0x20, 0x7e, 0x7f, 0x80, 0xc1, 0xc2, 0xc3, 0xff][(seed >> 8) as usize % 10]
+                            }
+                            _ => b'a' + (seed >> 8) as u8 % 26,
+                        }
+                    })
+                    .collect();
+                assert_eq!(may_hold_control_characters(&bytes), bytes.iter().any(|&b| suspect(b)), "{bytes:?}");
+            }
+        }
+    }
 
     #[test]
     fn legacy_partial_with_go_escapes() {

@@ -36,7 +36,7 @@ use crate::codec::inbound::decode;
 use crate::codec::subject::{escape_token, partition_of};
 use crate::config::{Config, PartitionMode};
 use crate::metrics::DropReason;
-use crate::shard::worker::{ShardEvent, ShardSet};
+use crate::shard::worker::{Shard, ShardEvent, ShardSet};
 
 /// Header marking the start-up probe of the partition mapping; such messages are skipped.
 pub const PROBE_HEADER: &str = "Structured-Sink-Probe";
@@ -584,12 +584,22 @@ impl Pinned {
     }
 }
 
+/// Where a dispatcher's events go.
+pub enum Route {
+    /// Several shards, or several sources: by message id, into the inbox of a worker task.
+    Shards(Arc<ShardSet<Envelope>>),
+    /// One source and one shard: the dispatcher owns the shard and applies each event itself, as
+    /// it decodes it. No hand-off between tasks: no queue, no wake-up, no detaching of the event
+    /// from its payload; backpressure is the subscription's own buffer.
+    Own(Box<Shard<NatsSink>>),
+}
+
 /// Takes events from one source, dead-letters bad ones, routes the rest.
 pub struct Dispatcher {
     /// The source.
     pub source: Source,
-    /// The shards.
-    pub shards: Arc<ShardSet<Envelope>>,
+    /// Where events go.
+    pub route: Route,
     /// For dead letters, drops and acks.
     pub sink: NatsSink,
     /// `input.max_event_bytes`.
@@ -604,17 +614,25 @@ impl Dispatcher {
     /// Runs until the source ends or shutdown; at shutdown a core subscription is drained and
     /// what it delivered is dispatched; a JetStream source simply stops (unacknowledged events
     /// are delivered again to whoever consumes the partition next), releasing its pin if it holds
-    /// one.
+    /// one. An owned shard is finished last.
     pub async fn run(mut self) {
-        let shards = self.shards.clone();
         loop {
             let envelope = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => break,
                 envelope = self.source.next() => envelope,
+                now = own_tick(&mut self.route) => {
+                    if let Route::Own(shard) = &mut self.route {
+                        shard.expire(now).await;
+                        shard.report();
+                    }
+                    continue;
+                }
             };
-            let Some(envelope) = envelope else { return };
-            self.dispatch(&shards, envelope).await;
+            match envelope {
+                Some(envelope) => self.dispatch(envelope).await,
+                None => return self.finish().await,
+            }
         }
         if let Source::JetStream(source) = &mut self.source {
             source.release().await;
@@ -632,12 +650,20 @@ impl Dispatcher {
                 tracing::warn!(error = %e, "draining the subscription failed");
             }
             while let Some(envelope) = self.source.next().await {
-                self.dispatch(&shards, envelope).await;
+                self.dispatch(envelope).await;
             }
+        }
+        self.finish().await;
+    }
+
+    /// No more input: an owned shard closes (or abandons) its streams and flushes.
+    async fn finish(self) {
+        if let Route::Own(shard) = self.route {
+            shard.finish().await;
         }
     }
 
-    async fn dispatch(&mut self, shards: &ShardSet<Envelope>, envelope: Envelope) {
+    async fn dispatch(&mut self, envelope: Envelope) {
         // By name, not by hash lookup: events carry few headers, and most carry none.
         let probe = envelope
             .headers
@@ -674,11 +700,30 @@ impl Dispatcher {
                 return;
             }
         }
-        match shards.route(ShardEvent::new(event, &payload, envelope)).await {
-            Ok(true) => self.sink.metrics.count_shard_inbox_full(),
-            Ok(false) => {}
-            Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
+        match &mut self.route {
+            Route::Shards(shards) => match shards.route(ShardEvent::new(event, &payload, envelope)).await {
+                Ok(true) => self.sink.metrics.count_shard_inbox_full(),
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
+            },
+            Route::Own(shard) => {
+                // The time it was received: no second clock read.
+                let now = envelope.received;
+                shard.apply(&event, envelope, now).await;
+                // Per event: with no worker there is no batch to wait for, and a report that
+                // changes nothing costs a few comparisons.
+                shard.report();
+            }
         }
+    }
+}
+
+/// The next expiry tick of an owned shard; never, when events go to worker tasks (they have
+/// their own ticks).
+async fn own_tick(route: &mut Route) -> Instant {
+    match route {
+        Route::Own(shard) => shard.next_tick().await,
+        Route::Shards(_) => std::future::pending().await,
     }
 }
 

@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::{LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent};
@@ -146,26 +147,38 @@ impl StreamTable {
         let stream_id = event.stream.stream_id.as_ref();
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
+            EventAction::Delta(delta) => {
+                #[cfg(test)]
+                if self.panic_on_delta == Some(delta.as_ref()) {
+                    panic!("injected failure");
+                }
+                // The common case, a delta of an open stream, costs one lookup of its id. (A stream
+                // is never open and finished at once: a finished id is never opened again while it
+                // is remembered.)
+                if let RawEntryMut::Occupied(mut entry) = self.streams.raw_entry_mut().from_key(stream_id) {
+                    if sequence.is_some_and(|seq| seq <= entry.get().last_input) {
+                        return Disposition::Duplicate;
+                    }
+                    entry.to_back();
+                    let open = entry.into_mut();
+                    Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
+                    return Disposition::Applied;
+                }
+                if self.finished.contains(stream_id) {
+                    self.stats.late_events += 1;
+                    return Disposition::Late;
+                }
+                self.ensure_open(event, now, sink, opened);
+                let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
+                Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
+                Disposition::Applied
+            }
             _ if self.finished.contains(stream_id) => {
                 self.stats.late_events += 1;
                 Disposition::Late
             }
             _ if sequence.is_some_and(|seq| self.streams.get(stream_id).is_some_and(|s| seq <= s.last_input)) => {
                 Disposition::Duplicate
-            }
-            EventAction::Delta(delta) => {
-                #[cfg(test)]
-                if self.panic_on_delta == Some(delta.as_ref()) {
-                    panic!("injected failure");
-                }
-                self.ensure_open(event, now, sink, opened);
-                let (pipeline, encoder) = (&mut self.pipeline, &mut self.encoder);
-                let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
-                open.last_seen = now;
-                open.last_input = sequence.unwrap_or(open.last_input);
-                let header = &open.header;
-                pipeline.feed(&mut open.state, delta, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
-                Disposition::Applied
             }
             EventAction::Finish { text, reason } => {
                 self.ensure_open(event, now, sink, opened);
@@ -175,6 +188,23 @@ impl StreamTable {
                 Disposition::Applied
             }
         }
+    }
+
+    /// Feeds `delta` to an open stream at `now` (its input sequence, when it has one, is
+    /// `sequence`).
+    fn feed(
+        pipeline: &mut Pipeline,
+        encoder: &mut OutputEncoder,
+        open: &mut OpenStream,
+        delta: &str,
+        sequence: Option<u64>,
+        now: Instant,
+        sink: &mut impl FnMut(Publication),
+    ) {
+        open.last_seen = now;
+        open.last_input = sequence.unwrap_or(open.last_input);
+        let header = &open.header;
+        pipeline.feed(&mut open.state, delta, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
     }
 
     /// Closes every stream idle since before `now - idle_timeout`, with reason `expired`.

@@ -1,57 +1,172 @@
-//! Shard workers: a fixed set of tokio tasks, each owning one [`StreamTable`].
+//! Shards and the tasks that drive them.
 //!
-//! A [`ShardSet`] routes every event by a hash of its message id into the bounded inbox of one
-//! worker, so all events of a message are handled in order by one task and no lock is taken on
-//! the hot path. A full inbox makes [`ShardSet::route`] wait: backpressure reaches the
-//! subscription (and, past the client's buffer, shows up as a counted slow consumer). Each worker
-//! selects between its inbox (taking up to 64 queued events at once) and an expiry tick; when the
-//! inbox closes (shutdown), it finishes what is queued, closes every open stream with reason
-//! `shutdown`, and flushes its sink.
+//! A [`Shard`] is one [`StreamTable`], the sink its outputs go to and its expiry tick: it applies
+//! events in the order it is given them and publishes what they produce. Something must own it
+//! and feed it, and there are two owners:
 //!
-//! This module knows tokio but not NATS: events arrive detached from their payload (their
-//! strings are positions in it, so crossing into the worker copies none of them), with the
-//! payload and an opaque envelope `E` (the caller's message, for pass-through, dead letters and
-//! trace context), and leave through a [`ShardSink`].
+//! * a worker task of a [`ShardSet`]: the set routes every event by a hash of its message id into
+//!   the bounded inbox of one worker, so all events of a message are handled in order by one task
+//!   and no lock is taken on the hot path. A full inbox makes [`ShardSet::route`] wait:
+//!   backpressure reaches the subscription (and, past the client's buffer, shows up as a counted
+//!   slow consumer). Each worker selects between its inbox (taking up to 64 queued events at
+//!   once) and the expiry tick; when the inbox closes (shutdown) it finishes what is queued and
+//!   then the shard.
+//! * the task that reads the only input, when there is one input and one shard: it applies each
+//!   event as it decodes it, with no hand-off between tasks (see `service::input`).
+//!
+//! Finishing a shard closes every open stream with reason `shutdown` (or, for JetStream input,
+//! leaves them unacknowledged for the next owner) and flushes its sink.
+//!
+//! This module knows tokio but not NATS: events arrive decoded, with an opaque envelope `E` (the
+//! caller's message, for pass-through, dead letters and trace context), and leave through a
+//! [`ShardSink`]. To cross into a worker task they travel detached from their payload (their
+//! strings are positions in it, so crossing copies none of them).
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use tokio::time::{Interval, MissedTickBehavior};
 
 use super::table::{Disposition, StreamTable, TableStats};
 use crate::codec::inbound::{DetachedEvent, InboundEvent};
 use crate::codec::outbound::Publication;
 use crate::pipeline::PipelineStats;
 
-/// Where a worker's results go. One instance per worker.
-pub trait ShardSink<E>: Send + 'static {
+/// Where a shard's results go. One instance per shard.
+pub trait ShardSink: Send + 'static {
+    /// The caller's message that each event arrives in.
+    type Envelope: Send + Sync + 'static;
     /// Publishes one output. `cause` is the envelope of the event that produced it, absent for
     /// outputs of expiry, eviction and shutdown.
-    fn publish(&mut self, publication: Publication, cause: Option<&E>) -> impl Future<Output = ()> + Send;
+    fn publish(&mut self, publication: Publication, cause: Option<&Self::Envelope>) -> impl Future<Output = ()> + Send;
     /// Forwards an event that is not text, unchanged.
-    fn pass_through(&mut self, envelope: E) -> impl Future<Output = ()> + Send;
+    fn pass_through(&mut self, envelope: Self::Envelope) -> impl Future<Output = ()> + Send;
     /// Sends an event that cannot be applied to the dead-letter subject with a reason code.
-    fn dead_letter(&mut self, envelope: E, reason: &'static str) -> impl Future<Output = ()> + Send;
+    fn dead_letter(&mut self, envelope: Self::Envelope, reason: &'static str) -> impl Future<Output = ()> + Send;
     /// The event's input sequence, when its input has one (for duplicate detection).
-    fn sequence(&self, envelope: &E) -> Option<u64>;
+    fn sequence(&self, envelope: &Self::Envelope) -> Option<u64>;
     /// The event was applied to `stream_id` (or was a duplicate of one applied): its outputs are
     /// published. The sink may hold the envelope (to acknowledge it when the stream ends).
-    fn applied(&mut self, stream_id: &str, envelope: E) -> impl Future<Output = ()> + Send;
+    fn applied(&mut self, stream_id: &str, envelope: Self::Envelope) -> impl Future<Output = ()> + Send;
     /// The stream ended and its last outputs are published.
     fn stream_closed(&mut self, stream_id: &str) -> impl Future<Output = ()> + Send;
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
-    fn stream_opened(&mut self, span: &tracing::Span, cause: &E);
-    /// Reports counters after a change (cheap: called after each event and tick).
+    fn stream_opened(&mut self, span: &tracing::Span, cause: &Self::Envelope);
+    /// Reports counters after a change. Called after every event applied outside a worker, so it
+    /// must be cheap when nothing changed.
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats);
     /// Makes sure everything published so far has left the process.
     fn flush(&mut self) -> impl Future<Output = ()> + Send;
 }
 
-/// One event for a worker: the decoded event, detached from its payload (so its strings are not
-/// copied to cross into the worker), the payload, and the caller's envelope.
+/// One shard: its streams, the sink their outputs go to, and its expiry tick.
+pub struct Shard<S> {
+    index: usize,
+    table: StreamTable,
+    sink: S,
+    /// Outputs of the event being applied, handed to the sink once it is applied (reused).
+    outputs: Vec<Publication>,
+    tick: Interval,
+    /// At [`Shard::finish`]: close open streams with reason `shutdown` (core NATS input), or leave
+    /// them unacknowledged, to be rebuilt by the next owner (JetStream input).
+    close_on_shutdown: bool,
+}
+
+impl<S: ShardSink> Shard<S> {
+    /// Shard number `index` (for metrics), over `table`, publishing to `sink`, looking for idle
+    /// streams every `expiry_tick`. Must be called inside a tokio runtime (the tick is a timer).
+    pub fn new(index: usize, table: StreamTable, sink: S, expiry_tick: Duration, close_on_shutdown: bool) -> Self {
+        let mut tick = tokio::time::interval(expiry_tick);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Shard { index, table, sink, outputs: Vec::new(), tick, close_on_shutdown }
+    }
+
+    /// Waits for the next expiry tick and returns its time, for [`Shard::expire`]. Cancel-safe:
+    /// meant for one branch of a `select!`.
+    pub async fn next_tick(&mut self) -> Instant {
+        self.tick.tick().await.into_std()
+    }
+
+    /// Applies one event at `now` and publishes what it produced, then closes the streams it
+    /// ended.
+    pub async fn apply(&mut self, event: &InboundEvent<'_>, envelope: S::Envelope, now: Instant) {
+        let Shard { index, table, sink, outputs, .. } = self;
+        let sequence = sink.sequence(&envelope);
+        let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
+        // A bug must cost one stream, not the shard: a panic while applying an event discards that
+        // stream's (possibly half-updated) state and dead-letters the event, and the shard goes on
+        // with its other streams. Outputs the event had produced are dropped with it.
+        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
+        }));
+        match applied {
+            Ok(Disposition::Applied | Disposition::Duplicate) => {
+                for p in outputs.drain(..) {
+                    sink.publish(p, Some(&envelope)).await;
+                }
+                sink.applied(&event.stream.stream_id, envelope).await;
+            }
+            Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
+            Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
+            Err(_) => {
+                outputs.clear();
+                table.discard(&event.stream.stream_id);
+                tracing::error!(shard = *index, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
+                sink.dead_letter(envelope, "internal_error").await;
+            }
+        }
+        self.publish_closed().await;
+    }
+
+    /// Closes the streams idle at `now` and publishes their last outputs.
+    pub async fn expire(&mut self, now: Instant) {
+        let outputs = &mut self.outputs;
+        self.table.expire(now, &mut |p| outputs.push(p));
+        self.publish_unprompted().await;
+    }
+
+    /// Reports the shard's counters to its sink.
+    pub fn report(&mut self) {
+        let (table, pipeline) = (self.table.stats(), self.table.pipeline_stats());
+        self.sink.report(self.index, self.table.len(), table, pipeline);
+    }
+
+    /// Shutdown, once no more events will come: closes every open stream with reason `shutdown`
+    /// (or abandons them, see [`Shard::new`]), reports and flushes the sink.
+    pub async fn finish(mut self) {
+        if self.close_on_shutdown {
+            let outputs = &mut self.outputs;
+            self.table.close_all("shutdown", &mut |p| outputs.push(p));
+            self.publish_unprompted().await;
+        } else {
+            let open = self.table.abandon_all();
+            tracing::info!(shard = self.index, open, "left open streams unacknowledged for the next owner");
+        }
+        self.report();
+        self.sink.flush().await;
+    }
+
+    /// Publishes outputs no event caused (expiry, eviction, shutdown), then the closed streams.
+    async fn publish_unprompted(&mut self) {
+        for p in self.outputs.drain(..) {
+            self.sink.publish(p, None).await;
+        }
+        self.publish_closed().await;
+    }
+
+    async fn publish_closed(&mut self) {
+        for id in self.table.take_closed() {
+            self.sink.stream_closed(&id).await;
+        }
+    }
+}
+
+/// One event for a worker task: the decoded event, detached from its payload (so its strings are
+/// not copied to cross into the worker), the payload, and the caller's envelope.
 pub struct ShardEvent<E> {
     event: DetachedEvent,
     payload: Bytes,
@@ -99,16 +214,17 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
     /// Starts `settings.count` workers; `make` builds each worker's table and sink.
     pub fn start<S, F>(settings: ShardSettings, mut make: F) -> Self
     where
-        S: ShardSink<E>,
+        S: ShardSink<Envelope = E>,
         F: FnMut(usize) -> (StreamTable, S),
     {
         let count = settings.count.max(1);
         let mut inboxes = Vec::with_capacity(count);
         let mut workers = Vec::with_capacity(count);
-        for shard in 0..count {
+        for index in 0..count {
             let (tx, rx) = mpsc::channel(settings.inbox_capacity.max(1));
-            let (table, sink) = make(shard);
-            workers.push(tokio::spawn(run_worker(shard, table, sink, rx, settings)));
+            let (table, sink) = make(index);
+            let shard = Shard::new(index, table, sink, settings.expiry_tick, settings.close_on_shutdown);
+            workers.push(tokio::spawn(run_worker(shard, rx)));
             inboxes.push(tx);
         }
         ShardSet { inboxes, workers }
@@ -175,19 +291,9 @@ impl Hasher for Fnv1a {
     }
 }
 
-async fn run_worker<E, S>(
-    shard: usize,
-    mut table: StreamTable,
-    mut sink: S,
-    mut inbox: mpsc::Receiver<ShardEvent<E>>,
-    settings: ShardSettings,
-) where
-    E: Send + Sync + 'static,
-    S: ShardSink<E>,
-{
-    let mut tick = tokio::time::interval(settings.expiry_tick);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut outputs = Vec::new();
+/// A worker task: applies queued events in order and expires idle streams on the tick until the
+/// inbox closes, then finishes the shard.
+async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver<ShardEvent<S::Envelope>>) {
     let mut batch = Vec::with_capacity(BATCH);
     loop {
         tokio::select! {
@@ -199,80 +305,16 @@ async fn run_worker<E, S>(
                 }
                 // Events queued together arrived within moments of each other: one clock read.
                 let now = tokio::time::Instant::now().into_std();
-                for event in batch.drain(..) {
-                    handle(shard, event, now, &mut table, &mut sink, &mut outputs).await;
+                for ShardEvent { event, payload, envelope } in batch.drain(..) {
+                    shard.apply(&event.attach(&payload), envelope, now).await;
                 }
             }
-            _ = tick.tick() => {
-                let now = tokio::time::Instant::now().into_std();
-                table.expire(now, &mut |p| outputs.push(p));
-                for p in outputs.drain(..) {
-                    sink.publish(p, None).await;
-                }
-                for id in table.take_closed() {
-                    sink.stream_closed(&id).await;
-                }
-            }
+            now = shard.next_tick() => shard.expire(now).await,
         }
         // Once per batch rather than per event: the counters are read by scrapes, not per event.
-        sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
+        shard.report();
     }
-    if settings.close_on_shutdown {
-        table.close_all("shutdown", &mut |p| outputs.push(p));
-        for p in outputs.drain(..) {
-            sink.publish(p, None).await;
-        }
-        for id in table.take_closed() {
-            sink.stream_closed(&id).await;
-        }
-    } else {
-        let open = table.abandon_all();
-        tracing::info!(shard, open, "left open streams unacknowledged for the next owner");
-    }
-    sink.report(shard, table.len(), table.stats(), table.pipeline_stats());
-    sink.flush().await;
-}
-
-/// Applies one event and publishes what it produced, then closes the streams it ended.
-async fn handle<E, S>(
-    shard: usize,
-    ShardEvent { event, payload, envelope }: ShardEvent<E>,
-    now: std::time::Instant,
-    table: &mut StreamTable,
-    sink: &mut S,
-    outputs: &mut Vec<Publication>,
-) where
-    E: Send + Sync + 'static,
-    S: ShardSink<E>,
-{
-    let event = event.attach(&payload);
-    let sequence = sink.sequence(&envelope);
-    let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
-    // A bug must cost one stream, not the shard: a panic while applying an event discards that
-    // stream's (possibly half-updated) state and dead-letters the event, and the worker goes on
-    // with its other streams. Outputs the event had produced are dropped with it.
-    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        table.apply(&event, sequence, now, &mut |p| outputs.push(p), opened)
-    }));
-    match applied {
-        Ok(Disposition::Applied | Disposition::Duplicate) => {
-            for p in outputs.drain(..) {
-                sink.publish(p, Some(&envelope)).await;
-            }
-            sink.applied(&event.stream.stream_id, envelope).await;
-        }
-        Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
-        Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
-        Err(_) => {
-            outputs.clear();
-            table.discard(&event.stream.stream_id);
-            tracing::error!(shard, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
-            sink.dead_letter(envelope, "internal_error").await;
-        }
-    }
-    for id in table.take_closed() {
-        sink.stream_closed(&id).await;
-    }
+    shard.finish().await;
 }
 
 #[cfg(test)]
@@ -288,7 +330,8 @@ mod tests {
     #[derive(Clone, Default)]
     struct Recorder(Arc<Mutex<Vec<String>>>);
 
-    impl ShardSink<u32> for Recorder {
+    impl ShardSink for Recorder {
+        type Envelope = u32;
         async fn publish(&mut self, p: Publication, cause: Option<&u32>) {
             self.0.lock().unwrap().push(format!("{} {} {:?}", p.subject, p.msg_id, cause));
         }

@@ -359,8 +359,21 @@ async fn jetstream_survives_kill_9_of_the_replica() {
 
 #[tokio::test]
 async fn jetstream_loses_nothing_when_the_server_restarts() {
-    let mut server = NatsServer::builder().config(mapping(8)).start();
-    let service = RunningService::start(jetstream_config(&server.url())).await.unwrap();
+    jetstream_server_restart(8, 2).await;
+}
+
+/// One partition and one shard: the input task applies events itself (acks held by its shard).
+#[tokio::test]
+async fn jetstream_loses_nothing_when_the_server_restarts_with_one_partition_and_one_shard() {
+    jetstream_server_restart(1, 1).await;
+}
+
+async fn jetstream_server_restart(partitions: u32, shards: usize) {
+    let mut server = NatsServer::builder().config(mapping(partitions)).start();
+    let mut config = jetstream_config(&server.url());
+    config.partitions.count = partitions;
+    config.shards.count = shards;
+    let service = RunningService::start(config).await.unwrap();
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = jetstream::new(client.clone());
     let mut out = downstream(&js).await;

@@ -14,7 +14,9 @@ use structured_sink::service::RunningService;
 
 use crate::support::NatsServer;
 
-/// A configuration for tests: the server, the demo tags, an ephemeral HTTP port, two shards.
+/// A configuration for tests: the server, the demo tags, an ephemeral HTTP port, two shards (so
+/// events cross from the input task to worker tasks; tests of the input task applying events
+/// itself set one).
 pub fn test_config(url: &str) -> Config {
     let mut config = Config::default();
     config.nats.servers = vec![url.to_owned()];
@@ -80,9 +82,19 @@ fn by_stream(records: impl IntoIterator<Item = (String, Value)>) -> BTreeMap<Str
 }
 
 #[tokio::test]
-async fn outputs_equal_the_offline_replay_with_headers() {
+async fn outputs_equal_the_offline_replay_with_headers_in_worker_tasks() {
+    outputs_equal_the_offline_replay_with_headers(2).await;
+}
+
+#[tokio::test]
+async fn outputs_equal_the_offline_replay_with_headers_in_the_input_task() {
+    outputs_equal_the_offline_replay_with_headers(1).await;
+}
+
+async fn outputs_equal_the_offline_replay_with_headers(shards: usize) {
     let server = NatsServer::start();
-    let config = test_config(&server.url());
+    let mut config = test_config(&server.url());
+    config.shards.count = shards;
     let service = RunningService::start(config.clone()).await.unwrap();
     assert!(service.is_ready());
     let client = async_nats::connect(server.url()).await.unwrap();
@@ -127,9 +139,19 @@ async fn outputs_equal_the_offline_replay_with_headers() {
 }
 
 #[tokio::test]
-async fn many_interleaved_streams_keep_their_order() {
+async fn many_interleaved_streams_keep_their_order_in_worker_tasks() {
+    many_interleaved_streams_keep_their_order(2).await;
+}
+
+#[tokio::test]
+async fn many_interleaved_streams_keep_their_order_in_the_input_task() {
+    many_interleaved_streams_keep_their_order(1).await;
+}
+
+async fn many_interleaved_streams_keep_their_order(shards: usize) {
     let server = NatsServer::start();
     let mut config = test_config(&server.url());
+    config.shards.count = shards;
     config.shards.inbox_capacity = 8;
     let service = RunningService::start(config).await.unwrap();
     let client = async_nats::connect(server.url()).await.unwrap();
@@ -170,9 +192,19 @@ async fn many_interleaved_streams_keep_their_order() {
 }
 
 #[tokio::test]
-async fn pass_through_and_every_bad_input_case() {
+async fn pass_through_and_every_bad_input_case_in_worker_tasks() {
+    pass_through_and_every_bad_input_case(2).await;
+}
+
+#[tokio::test]
+async fn pass_through_and_every_bad_input_case_in_the_input_task() {
+    pass_through_and_every_bad_input_case(1).await;
+}
+
+async fn pass_through_and_every_bad_input_case(shards: usize) {
     let server = NatsServer::start();
     let mut config = test_config(&server.url());
+    config.shards.count = shards;
     config.input.pass_through_subject = "chat.other".into();
     config.input.max_event_bytes = 4096;
     let service = RunningService::start(config).await.unwrap();
@@ -230,9 +262,19 @@ async fn pass_through_and_every_bad_input_case() {
 }
 
 #[tokio::test]
-async fn idle_streams_expire_and_shutdown_closes_the_rest() {
+async fn idle_streams_expire_and_shutdown_closes_the_rest_in_worker_tasks() {
+    idle_streams_expire_and_shutdown_closes_the_rest(2).await;
+}
+
+#[tokio::test]
+async fn idle_streams_expire_and_shutdown_closes_the_rest_in_the_input_task() {
+    idle_streams_expire_and_shutdown_closes_the_rest(1).await;
+}
+
+async fn idle_streams_expire_and_shutdown_closes_the_rest(shards: usize) {
     let server = NatsServer::start();
     let mut config = test_config(&server.url());
+    config.shards.count = shards;
     config.shards.idle_timeout_ms = 300;
     config.shards.expiry_tick_ms = 50;
     let service = RunningService::start(config.clone()).await.unwrap();
