@@ -149,8 +149,9 @@ impl StreamHeader {
 #[derive(Debug, Clone)]
 struct TagOut {
     subject: Arc<str>,
-    tag_ref: Option<proto::TagRef>,
-    name: String,
+    /// Field 4 (`tag`) of the tag's `BlockEvent`s or `ThinkingText`s, key and length included
+    /// (empty when the field is at its default).
+    tag_field: Bytes,
     /// The message type declared for the block in a `.proto` file, when one is.
     typed: Option<BlockType>,
 }
@@ -199,16 +200,20 @@ impl OutputEncoder {
                     (TagKind::ToolCall, _) => subjects.tools.as_str().into(),
                     _ => subjects.thinking.as_str().into(),
                 };
-                TagOut {
-                    subject,
-                    tag_ref: t.triple.as_ref().map(|tr| proto::TagRef {
-                        package: tr.package.clone(),
-                        r#type: tr.kind.clone(),
-                        version: tr.version.clone(),
-                    }),
-                    name: t.spec.name.clone(),
-                    typed: None,
+                let mut tag_field = BytesMut::new();
+                match (&t.spec.kind, &t.triple) {
+                    (TagKind::Block, Some(tr)) => {
+                        let tag_ref = proto::TagRef {
+                            package: tr.package.clone(),
+                            r#type: tr.kind.clone(),
+                            version: tr.version.clone(),
+                        };
+                        prost::encoding::message::encode(4, &tag_ref, &mut tag_field);
+                    }
+                    (TagKind::Block, None) => {}
+                    _ => prost::encoding::string::encode(4, &t.spec.name, &mut tag_field),
                 }
+                TagOut { subject, tag_field: tag_field.freeze(), typed: None }
             })
             .collect();
         OutputEncoder {
@@ -271,12 +276,12 @@ impl OutputEncoder {
             OutputKind::BlockStarted { item } => {
                 self.block(header, seq, *item, proto::block_event::Event::Started(proto::BlockStarted {}))
             }
-            OutputKind::BlockDelta { item, raw } => self.block(
-                header,
-                seq,
-                *item,
-                proto::block_event::Event::Delta(proto::BlockDelta { raw: (*raw).to_owned() }),
-            ),
+            OutputKind::BlockDelta { item, raw } => {
+                let tag = &self.tags[usize::from(item.tag.0)];
+                let payload =
+                    item_event(header, seq, *item, &tag.tag_field, EventBody::<proto::block_event::Event>::Text(raw));
+                (tag.subject.clone(), proto::names::BLOCK_EVENT, payload)
+            }
             OutputKind::BlockSnapshot { item, value } => {
                 let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
                 let typed = typed.and_then(|t| t.convert_partial(value).map(|m| t.to_any(&m)));
@@ -310,12 +315,20 @@ impl OutputEncoder {
             OutputKind::ThinkingStarted { item } => {
                 self.thinking(header, seq, *item, proto::thinking_text::Event::Started(proto::ThinkingStarted {}))
             }
-            OutputKind::ThinkingDelta { item, text } => self.thinking(
-                header,
-                seq,
-                *item,
-                proto::thinking_text::Event::Delta(proto::ThinkingDelta { text: (*text).to_owned() }),
-            ),
+            OutputKind::ThinkingDelta { item, text } => {
+                let tag = &self.tags[usize::from(item.tag.0)];
+                (
+                    self.thinking.clone(),
+                    proto::names::THINKING_TEXT,
+                    item_event(
+                        header,
+                        seq,
+                        *item,
+                        &tag.tag_field,
+                        EventBody::<proto::thinking_text::Event>::Text(text),
+                    ),
+                )
+            }
             OutputKind::ThinkingEnded { item, closed } => self.thinking(
                 header,
                 seq,
@@ -359,14 +372,8 @@ impl OutputEncoder {
         event: proto::block_event::Event,
     ) -> (Arc<str>, &'static str, Bytes) {
         let tag = &self.tags[usize::from(item.tag.0)];
-        let msg = proto::BlockEvent {
-            stream: None,
-            seq,
-            item_id: header.item_id(item),
-            tag: tag.tag_ref.clone(),
-            event: Some(event),
-        };
-        (tag.subject.clone(), proto::names::BLOCK_EVENT, splice(header, &msg))
+        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Message(&event));
+        (tag.subject.clone(), proto::names::BLOCK_EVENT, payload)
     }
 
     fn thinking(
@@ -377,14 +384,8 @@ impl OutputEncoder {
         event: proto::thinking_text::Event,
     ) -> (Arc<str>, &'static str, Bytes) {
         let tag = &self.tags[usize::from(item.tag.0)];
-        let msg = proto::ThinkingText {
-            stream: None,
-            seq,
-            item_id: header.item_id(item),
-            tag: tag.name.clone(),
-            event: Some(event),
-        };
-        (self.thinking.clone(), proto::names::THINKING_TEXT, splice(header, &msg))
+        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Message(&event));
+        (self.thinking.clone(), proto::names::THINKING_TEXT, payload)
     }
 }
 
@@ -481,6 +482,95 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
     buf.freeze()
 }
 
+/// The event of an item event: a delta's text (field 6, a message whose field 1 is the text: the
+/// most frequent item events, encoded without copying the text), or any other event.
+enum EventBody<'a, E> {
+    Text(&'a str),
+    Message(&'a E),
+}
+
+/// The events of a `BlockEvent` or a `ThinkingText` (prost's oneof types).
+trait ItemEventBody {
+    fn encoded_len(&self) -> usize;
+    fn encode(&self, buf: &mut BytesMut);
+}
+
+impl ItemEventBody for proto::block_event::Event {
+    fn encoded_len(&self) -> usize {
+        proto::block_event::Event::encoded_len(self)
+    }
+    fn encode(&self, buf: &mut BytesMut) {
+        proto::block_event::Event::encode(self, buf)
+    }
+}
+
+impl ItemEventBody for proto::thinking_text::Event {
+    fn encoded_len(&self) -> usize {
+        proto::thinking_text::Event::encoded_len(self)
+    }
+    fn encode(&self, buf: &mut BytesMut) {
+        proto::thinking_text::Event::encode(self, buf)
+    }
+}
+
+/// A `BlockEvent` or `ThinkingText` (they share their fields: stream 1, seq 2, item_id 3, tag 4,
+/// then the event), encoded field by field as prost encodes the message (fields in number order,
+/// defaults omitted), from the stream's encoded reference, the tag's encoded field, and the item
+/// id and delta text written in place rather than copied into an owned message first.
+fn item_event<E: ItemEventBody>(
+    header: &StreamHeader,
+    seq: u64,
+    item: Item,
+    tag_field: &[u8],
+    event: EventBody<'_, E>,
+) -> Bytes {
+    use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+    let mut number = itoa::Buffer::new();
+    let number = number.format(item.number);
+    let item_id_len = header.stream_id.len() + 1 + number.len();
+    let text_len =
+        |text: &str| if text.is_empty() { 0 } else { key_len(1) + encoded_len_varint(text.len() as u64) + text.len() };
+    let event_len = match &event {
+        EventBody::Text(text) => {
+            let inner = text_len(text);
+            key_len(6) + encoded_len_varint(inner as u64) + inner
+        }
+        EventBody::Message(event) => event.encoded_len(),
+    };
+    let len = header.stream_field.len()
+        + if seq == 0 { 0 } else { key_len(2) + encoded_len_varint(seq) }
+        + key_len(3)
+        + encoded_len_varint(item_id_len as u64)
+        + item_id_len
+        + tag_field.len()
+        + event_len;
+    let mut buf = BytesMut::with_capacity(len);
+    buf.put_slice(&header.stream_field);
+    if seq != 0 {
+        encode_key(2, WireType::Varint, &mut buf);
+        encode_varint(seq, &mut buf);
+    }
+    encode_key(3, WireType::LengthDelimited, &mut buf);
+    encode_varint(item_id_len as u64, &mut buf);
+    buf.put_slice(header.stream_id.as_bytes());
+    buf.put_u8(b':');
+    buf.put_slice(number.as_bytes());
+    buf.put_slice(tag_field);
+    match event {
+        EventBody::Text(text) => {
+            encode_key(6, WireType::LengthDelimited, &mut buf);
+            encode_varint(text_len(text) as u64, &mut buf);
+            if !text.is_empty() {
+                encode_key(1, WireType::LengthDelimited, &mut buf);
+                encode_varint(text.len() as u64, &mut buf);
+                buf.put_slice(text.as_bytes());
+            }
+        }
+        EventBody::Message(event) => event.encode(&mut buf),
+    }
+    buf.freeze()
+}
+
 fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
     let mut buf = BytesMut::with_capacity(header.stream_field.len() + msg.encoded_len());
     buf.put_slice(&header.stream_field);
@@ -564,6 +654,60 @@ mod tests {
                         assert_eq!(decoded.delta, delta);
                         assert!(decoded.stream.is_some());
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn item_events_are_encoded_exactly_as_prost_encodes_them() {
+        let (_, encoder, header) = setup();
+        let tag_ref = proto::TagRef { package: "app".into(), r#type: "Mode.Switch".into(), version: "v1.2".into() };
+        let (block_tag, thinking_tag) = (&encoder.tags[0].tag_field, &encoder.tags[1].tag_field);
+        let long = "é".repeat(100);
+        for seq in [0, 1, 300, u64::MAX] {
+            for number in [1, 130, u32::MAX] {
+                let item = Item { tag: crate::scanner::TagId(0), number };
+                let item_id = format!("s-1:{number}");
+                for text in ["", "a", long.as_str()] {
+                    let block = |event| proto::BlockEvent {
+                        stream: None,
+                        seq,
+                        item_id: item_id.clone(),
+                        tag: Some(tag_ref.clone()),
+                        event: Some(event),
+                    };
+                    let delta = proto::block_event::Event::Delta(proto::BlockDelta { raw: text.to_owned() });
+                    let ours =
+                        item_event(&header, seq, item, block_tag, EventBody::<proto::block_event::Event>::Text(text));
+                    assert_eq!(ours, splice(&header, &block(delta)), "block delta {seq} {number} {text:?}");
+                    let completed = proto::block_event::Event::Completed(proto::BlockCompleted {
+                        raw: text.to_owned(),
+                        success: !text.is_empty(),
+                        ..Default::default()
+                    });
+                    let ours = item_event(&header, seq, item, block_tag, EventBody::Message(&completed));
+                    assert_eq!(ours, splice(&header, &block(completed)), "block completed {seq} {number} {text:?}");
+
+                    let thinking = |event| proto::ThinkingText {
+                        stream: None,
+                        seq,
+                        item_id: item_id.clone(),
+                        tag: "thinking".into(),
+                        event: Some(event),
+                    };
+                    let delta = proto::thinking_text::Event::Delta(proto::ThinkingDelta { text: text.to_owned() });
+                    let ours = item_event(
+                        &header,
+                        seq,
+                        item,
+                        thinking_tag,
+                        EventBody::<proto::thinking_text::Event>::Text(text),
+                    );
+                    assert_eq!(ours, splice(&header, &thinking(delta)), "thinking delta {seq} {number} {text:?}");
+                    let ended = proto::thinking_text::Event::Ended(proto::ThinkingEnded { closed: text.is_empty() });
+                    let ours = item_event(&header, seq, item, thinking_tag, EventBody::Message(&ended));
+                    assert_eq!(ours, splice(&header, &thinking(ended)), "thinking ended {seq} {number} {text:?}");
                 }
             }
         }

@@ -27,7 +27,7 @@ use async_nats::header::NATS_PIN_ID;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 
 use super::{round_trip, Envelope, NatsSink, ServiceError};
@@ -400,6 +400,16 @@ impl Source {
             Source::JetStream(source) => Some(source.next().await),
         }
     }
+
+    /// The next envelope if one is already there, without waiting: `Some(None)` when the source
+    /// has ended, `None` when nothing is ready (and always for JetStream, whose pull logic must
+    /// not be interrupted; a core subscription's `next` can be dropped at any point).
+    fn ready(&mut self) -> Option<Option<Envelope>> {
+        match self {
+            Source::Core(subscriber) => subscriber.next().now_or_never().map(|m| m.map(Envelope::core)),
+            Source::JetStream(_) => None,
+        }
+    }
 }
 
 impl JetStreamSource {
@@ -620,7 +630,8 @@ impl Dispatcher {
             let envelope = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => break,
-                envelope = self.source.next() => envelope,
+                // Before the input: expiry must not wait for the input to pause (the tick is
+                // ready once per period, so polling it first costs little).
                 now = own_tick(&mut self.route) => {
                     if let Route::Own(shard) = &mut self.route {
                         shard.expire(now).await;
@@ -628,10 +639,18 @@ impl Dispatcher {
                     }
                     continue;
                 }
+                envelope = self.source.next() => envelope,
             };
-            match envelope {
-                Some(envelope) => self.dispatch(envelope).await,
-                None => return self.finish().await,
+            let Some(envelope) = envelope else { return self.finish().await };
+            self.dispatch(envelope).await;
+            // What the subscription already holds is taken without another round of `select!`,
+            // at most a burst at a time so that shutdown and expiry are still looked at.
+            for _ in 1..BURST {
+                match self.source.ready() {
+                    Some(Some(envelope)) => self.dispatch(envelope).await,
+                    Some(None) => return self.finish().await,
+                    None => break,
+                }
             }
         }
         if let Source::JetStream(source) = &mut self.source {
@@ -717,6 +736,9 @@ impl Dispatcher {
         }
     }
 }
+
+/// Events a dispatcher takes from a core subscription between two looks at shutdown and expiry.
+const BURST: usize = 64;
 
 /// The next expiry tick of an owned shard; never, when events go to worker tasks (they have
 /// their own ticks).

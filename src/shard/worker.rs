@@ -8,9 +8,9 @@
 //!   the bounded inbox of one worker, so all events of a message are handled in order by one task
 //!   and no lock is taken on the hot path. A full inbox makes [`ShardSet::route`] wait:
 //!   backpressure reaches the subscription (and, past the client's buffer, shows up as a counted
-//!   slow consumer). Each worker selects between its inbox (taking up to 64 queued events at
-//!   once) and the expiry tick; when the inbox closes (shutdown) it finishes what is queued and
-//!   then the shard.
+//!   slow consumer). Each worker selects between the expiry tick and its inbox (taking up to 64
+//!   queued events at once); when the inbox closes (shutdown) it finishes what is queued and then
+//!   the shard.
 //! * the task that reads the only input, when there is one input and one shard: it applies each
 //!   event as it decodes it, with no hand-off between tasks (see `service::input`).
 //!
@@ -297,8 +297,11 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
     let mut batch = Vec::with_capacity(BATCH);
     loop {
         tokio::select! {
-            // Input first: expiry may wait, events should not.
+            // The tick first: it is ready once per period, so this costs one poll per batch, and
+            // expiry does not wait for the inbox to empty (or for tokio's cooperative budget to
+            // force a yield) under constant input.
             biased;
+            now = shard.next_tick() => shard.expire(now).await,
             received = inbox.recv_many(&mut batch, BATCH) => {
                 if received == 0 {
                     break;
@@ -309,7 +312,6 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
                     shard.apply(&event.attach(&payload), envelope, now).await;
                 }
             }
-            now = shard.next_tick() => shard.expire(now).await,
         }
         // Once per batch rather than per event: the counters are read by scrapes, not per event.
         shard.report();

@@ -37,65 +37,124 @@ pub(super) struct Fields<'a> {
     pub provider_call_id: Option<Cow<'a, str>>,
 }
 
+/// The string fields, by index into the pieces [`read`] collects (each also its bit among the
+/// fields seen; the three containers take the bits after them).
+const TYPE: usize = 0;
+const DELTA: usize = 1;
+const FINISH_REASON: usize = 2;
+const MESSAGE_ID: usize = 3;
+const SESSION_ID: usize = 4;
+const RUN_ID: usize = 5;
+const INFERENCE_ID: usize = 6;
+const TURN_ID: usize = 7;
+const STOP_REASON: usize = 8;
+const SEGMENT_ID: usize = 9;
+const PROVIDER_CALL_ID: usize = 10;
+const STRING_FIELDS: usize = 11;
+const TEXT: usize = 11;
+const META: usize = 12;
+const CORRELATION: usize = 13;
+
+/// A string field as read: where it is in the payload (its UTF-8 not yet checked), or its text
+/// decoded from escapes.
+enum ReadString {
+    Plain { start: usize, end: usize },
+    Decoded(String),
+}
+
 /// Reads `payload` as one JSON object; `None` means "ask serde_json" (see the module
 /// documentation), never "invalid".
 pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
     let mut reader = Reader { bytes: payload, at: 0 };
-    let mut fields = Fields::default();
+    let mut pieces: [Option<ReadString>; STRING_FIELDS] = Default::default();
+    let mut text = None;
     // Known fields seen so far, a bit each: serde refuses a field named twice (even after a
-    // `null`), so a second one is left to serde.
+    // `null`), so a second one is left to serde. (Each object's fields have their own bits.)
     let mut seen = 0u32;
     reader.object(|reader, key| {
-        let (bit, slot) = match key {
-            b"type" => (0, &mut fields.kind),
-            b"delta" => (1, &mut fields.delta),
-            b"finish_reason" => (2, &mut fields.finish_reason),
+        let field = match key {
+            b"type" => TYPE,
+            b"delta" => DELTA,
+            b"finish_reason" => FINISH_REASON,
             b"text" => {
-                first(&mut seen, 3)?;
-                return reader.raw_text(&mut fields.text);
+                first(&mut seen, TEXT)?;
+                return reader.raw_text(&mut text);
             }
             b"meta" => {
-                first(&mut seen, 4)?;
-                let mut seen = 0u32;
+                first(&mut seen, META)?;
                 return reader.nested(|reader, key| {
-                    let (bit, slot) = match key {
-                        b"message_id" => (0, &mut fields.message_id),
-                        b"session_id" => (1, &mut fields.session_id),
-                        b"run_id" => (2, &mut fields.run_id),
-                        b"inference_id" => (3, &mut fields.inference_id),
-                        b"turn_id" => (4, &mut fields.turn_id),
-                        b"stop_reason" => (5, &mut fields.stop_reason),
+                    let field = match key {
+                        b"message_id" => MESSAGE_ID,
+                        b"session_id" => SESSION_ID,
+                        b"run_id" => RUN_ID,
+                        b"inference_id" => INFERENCE_ID,
+                        b"turn_id" => TURN_ID,
+                        b"stop_reason" => STOP_REASON,
                         _ => return reader.skip_value(),
                     };
-                    first(&mut seen, bit)?;
-                    reader.text_field(slot)
+                    first(&mut seen, field)?;
+                    reader.string_field(&mut pieces[field])
                 });
             }
             b"correlation" => {
-                first(&mut seen, 5)?;
-                let mut seen = 0u32;
+                first(&mut seen, CORRELATION)?;
                 return reader.nested(|reader, key| {
-                    let (bit, slot) = match key {
-                        b"segment_id" => (0, &mut fields.segment_id),
-                        b"provider_call_id" => (1, &mut fields.provider_call_id),
+                    let field = match key {
+                        b"segment_id" => SEGMENT_ID,
+                        b"provider_call_id" => PROVIDER_CALL_ID,
                         _ => return reader.skip_value(),
                     };
-                    first(&mut seen, bit)?;
-                    reader.text_field(slot)
+                    first(&mut seen, field)?;
+                    reader.string_field(&mut pieces[field])
                 });
             }
             _ => return reader.skip_value(),
         };
-        first(&mut seen, bit)?;
-        reader.text_field(slot)
+        first(&mut seen, field)?;
+        reader.string_field(&mut pieces[field])
     })?;
     reader.whitespace();
     // serde_json refuses anything after the value but white space.
-    (reader.at == payload.len()).then_some(fields)
+    if reader.at != payload.len() {
+        return None;
+    }
+    // One UTF-8 check over the stretch between the first and the last plain string, rather than
+    // one per string (each costs a call and its set-up): in the order producers write fields, the
+    // long cumulative text comes after all of them. Whatever lies between is checked too, which
+    // is stricter than serde (it does not check skipped strings): a failure here leaves the
+    // payload to serde, never refuses it.
+    let spans = pieces.iter().flatten().filter_map(|p| match p {
+        ReadString::Plain { start, end } => Some((*start, *end)),
+        ReadString::Decoded(_) => None,
+    });
+    let (low, high) = spans.fold((payload.len(), 0), |(low, high), (start, end)| (low.min(start), high.max(end)));
+    let checked = if low < high { std::str::from_utf8(&payload[low..high]).ok()? } else { "" };
+    let mut take = |field: usize| -> Option<Option<Cow<'_, str>>> {
+        Some(match pieces[field].take() {
+            None => None,
+            // Quotes (ASCII) on both sides: the span starts and ends on character boundaries.
+            Some(ReadString::Plain { start, end }) => Some(Cow::Borrowed(checked.get(start - low..end - low)?)),
+            Some(ReadString::Decoded(text)) => Some(Cow::Owned(text)),
+        })
+    };
+    Some(Fields {
+        kind: take(TYPE)?,
+        delta: take(DELTA)?,
+        text,
+        finish_reason: take(FINISH_REASON)?,
+        message_id: take(MESSAGE_ID)?,
+        session_id: take(SESSION_ID)?,
+        run_id: take(RUN_ID)?,
+        inference_id: take(INFERENCE_ID)?,
+        turn_id: take(TURN_ID)?,
+        stop_reason: take(STOP_REASON)?,
+        segment_id: take(SEGMENT_ID)?,
+        provider_call_id: take(PROVIDER_CALL_ID)?,
+    })
 }
 
 /// Marks field `bit` as seen; `None` if it was already.
-fn first(seen: &mut u32, bit: u32) -> Option<()> {
+fn first(seen: &mut u32, bit: usize) -> Option<()> {
     let mask = 1 << bit;
     if *seen & mask != 0 {
         return None;
@@ -270,16 +329,20 @@ impl<'a> Reader<'a> {
         found
     }
 
-    /// A string field: `null` (absent) or a string, decoded. Borrowed unless it holds escapes.
-    fn text_field(&mut self, slot: &mut Option<Cow<'a, str>>) -> Option<()> {
+    /// A string field: `null` (absent) or a string: where it is, or its decoded text when it
+    /// holds escapes.
+    fn string_field(&mut self, slot: &mut Option<ReadString>) -> Option<()> {
         if self.next()? != b'"' {
             self.at -= 1;
             return self.null();
         }
         let start = self.at;
         let (end, escaped) = self.string_end()?;
-        let raw = &self.bytes[start..end];
-        *slot = Some(if escaped { Cow::Owned(unescape(raw)?) } else { Cow::Borrowed(std::str::from_utf8(raw).ok()?) });
+        *slot = Some(if escaped {
+            ReadString::Decoded(unescape(&self.bytes[start..end])?)
+        } else {
+            ReadString::Plain { start, end }
+        });
         Some(())
     }
 
