@@ -396,20 +396,29 @@ struct OutputTemplate {
     content_type: &'static str,
     subject: Subject,
     headers: HeaderMap,
+    /// The metric label of the message type.
+    kind: OutputKind,
 }
 
 impl OutputTemplates {
-    fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap) {
+    fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap, OutputKind) {
         let (subject_text, type_name, content_type) =
             (&publication.subject, publication.type_name, publication.content_type);
-        // The subject by pointer first: every output of a kind shares its encoder's string.
-        let found = self.0.iter().find(|t| {
-            (Arc::ptr_eq(&t.subject_text, subject_text) || t.subject_text == *subject_text)
-                && t.type_name == type_name
-                && t.content_type == content_type
-        });
+        // By address first: every output of a kind shares its encoder's strings.
+        let same = |t: &OutputTemplate| {
+            Arc::ptr_eq(&t.subject_text, subject_text)
+                && std::ptr::eq(t.type_name, type_name)
+                && std::ptr::eq(t.content_type, content_type)
+        };
+        let equal = |t: &OutputTemplate| {
+            t.subject_text == *subject_text && t.type_name == type_name && t.content_type == content_type
+        };
+        let found = match self.0.iter().position(same) {
+            Some(index) => Some(index),
+            None => self.0.iter().position(equal),
+        };
         let template = match found {
-            Some(template) => template,
+            Some(index) => &self.0[index],
             None => {
                 let mut headers = HeaderMap::new();
                 headers.insert(CONTENT_TYPE_HEADER, content_type);
@@ -421,11 +430,12 @@ impl OutputTemplates {
                     content_type,
                     subject,
                     headers,
+                    kind: output_kind(type_name),
                 });
                 self.0.last().expect("just pushed")
             }
         };
-        (template.subject.clone(), template.headers.clone())
+        (template.subject.clone(), template.headers.clone(), template.kind)
     }
 }
 
@@ -601,12 +611,11 @@ impl ShardSink for NatsSink {
         // Confirmations are kept per stream (taken before the id moves into the header).
         let stream_id: Option<Box<str>> =
             confirm.as_ref().map(|_| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
-        let (subject, mut headers) = self.templates.prepared(&publication);
+        let (subject, mut headers, kind) = self.templates.prepared(&publication);
         headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
             headers.insert(name.clone(), value.clone());
         }
-        let kind = output_kind(publication.type_name);
         match confirm.zip(stream_id) {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some((js, stream_id)) => {
