@@ -87,11 +87,14 @@ struct Args {
     ack_pending: Option<i64>,
     /// The paced rate of the latency phases (default: half the service's maximum).
     rate: Option<f64>,
+    /// Streams open at once (default: all of them, every stream open for the whole run).
+    open_streams: Option<usize>,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
-[--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] [--profile-service | --profile-relay]";
+[--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
+[--open-streams N (all)] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -111,6 +114,7 @@ fn parse_args() -> Result<Args> {
         profile: None,
         ack_pending: None,
         rate: None,
+        open_streams: None,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -133,6 +137,7 @@ fn parse_args() -> Result<Args> {
             "--profile-relay" => args.profile = Some(System::Relay),
             "--rate" => args.rate = Some(number(a, it.next())?.max(100) as f64),
             "--ack-pending" => args.ack_pending = Some(number(a, it.next())?.max(1) as i64),
+            "--open-streams" => args.open_streams = Some(number(a, it.next())?.max(1)),
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -228,20 +233,25 @@ fn build_workload(args: &Args, config: &Config) -> Result<Workload> {
             bail!("the workload would exceed 4 GiB of payloads: use fewer streams or events, or --no-completion");
         }
     }
-    // Round-robin over a shuffled stream order.
+    // Round-robin over the open streams, in a shuffled order; a stream that ends makes room for
+    // the next one. With every stream open at once (the default) all of them progress in lockstep
+    // and end together; with fewer, streams start and end all along the run, as in a steady state.
     let mut rng = Rng(42);
     let mut streams: Vec<usize> = (0..args.streams).collect();
     for i in (1..streams.len()).rev() {
         streams.swap(i, rng.below(i as u64 + 1) as usize);
     }
+    let open = args.open_streams.unwrap_or(args.streams).clamp(1, args.streams.max(1));
+    let mut waiting = streams.into_iter();
+    let mut active: std::collections::VecDeque<(usize, u32)> = waiting.by_ref().take(open).map(|s| (s, 0)).collect();
     let mut order = Vec::with_capacity(payloads.len());
-    let longest = first.iter().map(|(_, n)| *n).max().unwrap_or(0);
-    for round in 0..longest {
-        for &s in &streams {
-            let (start, n) = first[s];
-            if round < n {
-                order.push(start + round);
-            }
+    while let Some((s, round)) = active.pop_front() {
+        let (start, n) = first[s];
+        order.push(start + round);
+        if round + 1 < n {
+            active.push_back((s, round + 1));
+        } else if let Some(next) = waiting.next() {
+            active.push_back((next, 0));
         }
     }
 
@@ -1158,7 +1168,7 @@ fn report(
     let _ = writeln!(
         out,
         "Workload: {} streams × ~{} events = {} events, mean {} B/event ({}cumulative `completion`/`text`), \
-         published round-robin over the streams to `{INPUT_SUBJECT}` with a `{EVENT_HEADER}` header; the service \
+         published round-robin over {} to `{INPUT_SUBJECT}` with a `{EVENT_HEADER}` header; the service \
          emits {} outputs ({:.2} per event: {f} filtered, {b} block, {t} thinking, {tl} tool). Service: {} shard worker(s), \
          default configuration otherwise. Max rate: closed loop, at most {} outputs outstanding. Command: `cargo \
          bench --bench e2e -- {}`. Wall time {:.0} s; load average {} at the start, {} at the end (2 cores: \
@@ -1168,6 +1178,10 @@ fn report(
         events,
         workload.payload_bytes / events.max(1) as u64,
         if args.cumulative { "with " } else { "no " },
+        match args.open_streams {
+            Some(open) if open < args.streams => format!("{open} open streams at a time (a stream that ends makes room for the next)"),
+            _ => "all the streams at once".to_owned(),
+        },
         workload.expected_outputs,
         workload.expected_outputs as f64 / events.max(1) as f64,
         {

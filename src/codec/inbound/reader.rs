@@ -11,11 +11,12 @@
 //! everywhere; number grammar; nothing after the object) and checks no more than serde does where
 //! serde is lenient (UTF-8 of skipped strings).
 //!
-//! Why it exists: serde_json spent about 12,000 instructions per typical event (959 bytes, most
-//! of it the cumulative `completion` that geppetto repeats in every delta), more than half of
-//! what the service adds to a relay. Skipped strings are scanned eight bytes at a time and
-//! escapes are checked in line; decoded strings borrow from the payload unless they hold escapes.
-//! It knows nothing of the event's meaning: [`Fields`] is what serde's derive would produce.
+//! Why it exists: serde_json spent about 12,100 instructions per typical event (959 bytes, most
+//! of it the cumulative `completion` that geppetto repeats in every delta), half of what the
+//! service added to a relay; this pass spends about 7,900. Strings are scanned eight bytes at a
+//! time with escapes checked in line, decoded strings borrow from the payload unless they hold
+//! escapes, and their UTF-8 is checked in one call over the stretch they occupy. It knows nothing
+//! of the event's meaning: [`Fields`] is what serde's derive would produce.
 
 use std::borrow::Cow;
 
