@@ -89,12 +89,14 @@ struct Args {
     rate: Option<f64>,
     /// Streams open at once (default: all of them, every stream open for the whole run).
     open_streams: Option<usize>,
+    /// `--mode jetstream`: `jetstream.pull_batch` for both systems (default: the service's).
+    pull_batch: Option<usize>,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
-[--open-streams N (all)] [--profile-service | --profile-relay]";
+[--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -115,6 +117,7 @@ fn parse_args() -> Result<Args> {
         ack_pending: None,
         rate: None,
         open_streams: None,
+        pull_batch: None,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -138,6 +141,7 @@ fn parse_args() -> Result<Args> {
             "--rate" => args.rate = Some(number(a, it.next())?.max(100) as f64),
             "--ack-pending" => args.ack_pending = Some(number(a, it.next())?.max(1) as i64),
             "--open-streams" => args.open_streams = Some(number(a, it.next())?.max(1)),
+            "--pull-batch" => args.pull_batch = Some(number(a, it.next())?.max(1)),
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -210,6 +214,9 @@ fn base_config(url: &str, args: &Args) -> Config {
     // shards, and the hash does not split exactly evenly).
     config.shards.max_streams = (args.idle_streams * 2).max(100_000);
     config.service.shutdown_timeout_ms = 120_000;
+    if let Some(batch) = args.pull_batch {
+        config.jetstream.pull_batch = batch;
+    }
     config
 }
 
@@ -669,7 +676,16 @@ async fn start_system(
                         })
                         .await
                         .map_err(|e| anyhow!("relay consumer: {e}"))?;
-                    let mut messages = consumer.messages().await.map_err(|e| anyhow!("relay consumer: {e}"))?;
+                    // The service's pull settings.
+                    let mut pull = consumer.stream().max_messages_per_batch(config.jetstream.pull_batch);
+                    if config.jetstream.pull_max_bytes > 0 {
+                        pull = pull.max_bytes_per_batch(config.jetstream.pull_max_bytes);
+                    }
+                    let mut messages = pull
+                        .heartbeat(Duration::from_secs(15))
+                        .messages()
+                        .await
+                        .map_err(|e| anyhow!("relay consumer: {e}"))?;
                     let stop = stop.clone();
                     tokio::spawn(async move {
                         while let Some(m) = messages.next().await {
@@ -1149,7 +1165,7 @@ fn report(
     backlog: &[(PhaseResult, PhaseResult)],
     wall: f64,
     peak_kib: u64,
-    js_ack_pending: i64,
+    (js_ack_pending, js_pull_batch): (i64, usize),
 ) -> (String, bool) {
     let mut out = String::new();
     let mode = match args.mode {
@@ -1201,8 +1217,9 @@ fn report(
             out,
             "JetStream: a fresh stream `{JS_STREAM}` (file storage) over `{INPUT_SUBJECT}` per phase; the producer \
              publishes with core NATS (no publish acks). Service: `jetstream.enabled`, one durable pull consumer, \
-             explicit acks held until each stream ends, `jetstream.max_ack_pending` = {js_ack_pending}. Relay: a durable \
-             pull consumer with the same limit that republishes each message and then acks it.\n"
+             explicit acks held until each stream ends, `jetstream.max_ack_pending` = {js_ack_pending}, \
+             `jetstream.pull_batch` = {js_pull_batch}. Relay: a durable \
+             pull consumer with the same limit and pull batch that republishes each message and then acks it.\n"
         );
     }
     let header =
@@ -1604,7 +1621,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         &backlog,
         wall.elapsed().as_secs_f64(),
         peak,
-        config.jetstream.max_ack_pending,
+        (config.jetstream.max_ack_pending, config.jetstream.pull_batch),
     );
     println!("{text}");
     Ok(complete)

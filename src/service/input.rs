@@ -144,10 +144,52 @@ pub enum Source {
 /// partition over from another replica.
 pub struct JetStreamSource {
     consumer: jetstream::consumer::PullConsumer,
+    /// How much one pull request asks for.
+    pull: Pull,
     /// `None` until the first pull (a standby replica waits a moment before pulling).
     messages: Option<pull::Stream>,
     /// Set for pinned-client consumers.
     pinned: Option<Pinned>,
+}
+
+/// How much one pull request asks for (`jetstream.pull_batch`, `jetstream.pull_max_bytes`).
+#[derive(Debug, Clone, Copy)]
+struct Pull {
+    batch: usize,
+    max_bytes: usize,
+}
+
+/// How often the server signals an idle pull (async-nats' default for `messages()`).
+const PULL_HEARTBEAT: Duration = Duration::from_secs(15);
+
+impl Pull {
+    fn of(cfg: &crate::config::JetStreamConfig) -> Pull {
+        Pull { batch: cfg.pull_batch, max_bytes: cfg.pull_max_bytes }
+    }
+
+    /// A pull stream builder on `consumer` with these limits.
+    fn stream(self, consumer: &jetstream::consumer::PullConsumer) -> pull::StreamBuilder<'_> {
+        let builder = consumer.stream().max_messages_per_batch(self.batch);
+        if self.max_bytes > 0 {
+            builder.max_bytes_per_batch(self.max_bytes)
+        } else {
+            builder
+        }
+    }
+}
+
+/// Refuses a pull byte limit too small for the largest message the server accepts (such a
+/// message could never be pulled, and its partition would stop there).
+fn check_pull_max_bytes(cfg: &crate::config::JetStreamConfig, max_payload: usize) -> Result<(), ServiceError> {
+    const OVERHEAD: usize = 4096;
+    if cfg.pull_max_bytes == 0 || cfg.pull_max_bytes >= max_payload + OVERHEAD {
+        return Ok(());
+    }
+    Err(ServiceError::JetStream(format!(
+        "jetstream.pull_max_bytes = {} is below the server's max_payload ({max_payload}) plus {OVERHEAD} bytes: a \
+         message that large could never be pulled; raise it or set 0",
+        cfg.pull_max_bytes
+    )))
 }
 
 /// The priority group every replica pulls a pinned-client partition consumer through.
@@ -252,6 +294,7 @@ async fn open_consumers(
     let js_error = |what: &str, e: &dyn std::fmt::Display| ServiceError::JetStream(format!("{what}: {e}"));
     // Before anything is created: a refused start-up leaves the server as it was.
     check_pinned_client_support(config, &client.server_info().version)?;
+    check_pull_max_bytes(cfg, client.server_info().max_payload)?;
     let stream_subjects = match config.partitions.mode {
         PartitionMode::Subject => vec![format!("{}.p.*.*", config.partitions.subject_prefix)],
         PartitionMode::None | PartitionMode::Filter => config.input.subjects.clone(),
@@ -293,9 +336,15 @@ async fn open_consumers(
         let consumer_config = partition_consumer(cfg, &name, &subject, start);
         let consumer: jetstream::consumer::Consumer<pull::Config> =
             stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
-        let messages = consumer.messages().await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
+        let pull = Pull::of(cfg);
+        let messages = pull
+            .stream(&consumer)
+            .heartbeat(PULL_HEARTBEAT)
+            .messages()
+            .await
+            .map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        let source = JetStreamSource { consumer, messages: Some(messages), pinned: None };
+        let source = JetStreamSource { consumer, pull, messages: Some(messages), pinned: None };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -372,7 +421,7 @@ async fn open_pinned_consumers(
             rebuilt_through: 0,
             rebuild: None,
         };
-        let source = JetStreamSource { consumer, messages: None, pinned: Some(pinned) };
+        let source = JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, pinned: Some(pinned) };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -476,10 +525,10 @@ impl JetStreamSource {
         }
         loop {
             let opened = match &self.pinned {
-                None => self.consumer.messages().await,
+                None => self.pull.stream(&self.consumer).heartbeat(PULL_HEARTBEAT).messages().await,
                 Some(pinned) => {
-                    self.consumer
-                        .stream()
+                    self.pull
+                        .stream(&self.consumer)
                         .group(PRIORITY_GROUP)
                         .expires(pinned.expires)
                         .heartbeat(pinned.expires / 4)
@@ -778,6 +827,17 @@ impl Envelope {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pull_byte_limit_must_leave_room_for_the_largest_message() {
+        let mut cfg = crate::config::JetStreamConfig::default();
+        assert!(check_pull_max_bytes(&cfg, 1 << 20).is_ok(), "0: no byte limit");
+        cfg.pull_max_bytes = (1 << 20) + 4096;
+        assert!(check_pull_max_bytes(&cfg, 1 << 20).is_ok());
+        cfg.pull_max_bytes = 1 << 20;
+        let err = check_pull_max_bytes(&cfg, 1 << 20).unwrap_err().to_string();
+        assert!(err.contains("jetstream.pull_max_bytes") && err.contains("1048576"), "{err}");
+    }
 
     #[test]
     fn pinned_client_is_refused_below_2_11_and_for_unknown_versions() {
