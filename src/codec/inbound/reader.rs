@@ -72,47 +72,20 @@ pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
     // Known fields seen so far, a bit each: serde refuses a field named twice (even after a
     // `null`), so a second one is left to serde. (Each object's fields have their own bits.)
     let mut seen = 0u32;
-    reader.object(|reader, key| {
-        let field = match key {
-            b"type" => TYPE,
-            b"delta" => DELTA,
-            b"finish_reason" => FINISH_REASON,
-            b"text" => {
-                first(&mut seen, TEXT)?;
-                return reader.raw_text(&mut text);
-            }
-            b"meta" => {
-                first(&mut seen, META)?;
-                return reader.nested(|reader, key| {
-                    let field = match key {
-                        b"message_id" => MESSAGE_ID,
-                        b"session_id" => SESSION_ID,
-                        b"run_id" => RUN_ID,
-                        b"inference_id" => INFERENCE_ID,
-                        b"turn_id" => TURN_ID,
-                        b"stop_reason" => STOP_REASON,
-                        _ => return reader.skip_value(),
-                    };
-                    first(&mut seen, field)?;
-                    reader.string_field(&mut pieces[field])
-                });
-            }
-            b"correlation" => {
-                first(&mut seen, CORRELATION)?;
-                return reader.nested(|reader, key| {
-                    let field = match key {
-                        b"segment_id" => SEGMENT_ID,
-                        b"provider_call_id" => PROVIDER_CALL_ID,
-                        _ => return reader.skip_value(),
-                    };
-                    first(&mut seen, field)?;
-                    reader.string_field(&mut pieces[field])
-                });
-            }
-            _ => return reader.skip_value(),
-        };
-        first(&mut seen, field)?;
-        reader.string_field(&mut pieces[field])
+    reader.object(|reader, key| match key {
+        b"text" => {
+            first(&mut seen, TEXT)?;
+            reader.raw_text(&mut text)
+        }
+        b"meta" => {
+            first(&mut seen, META)?;
+            reader.nested(|reader, key| reader.known_string(meta_field(key), &mut seen, &mut pieces))
+        }
+        b"correlation" => {
+            first(&mut seen, CORRELATION)?;
+            reader.nested(|reader, key| reader.known_string(correlation_field(key), &mut seen, &mut pieces))
+        }
+        _ => reader.known_string(top_field(key), &mut seen, &mut pieces),
     })?;
     reader.whitespace();
     // serde_json refuses anything after the value but white space.
@@ -152,6 +125,38 @@ pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
         segment_id: take(SEGMENT_ID)?,
         provider_call_id: take(PROVIDER_CALL_ID)?,
     })
+}
+
+/// The string field a top-level key names.
+fn top_field(key: &[u8]) -> Option<usize> {
+    match key {
+        b"type" => Some(TYPE),
+        b"delta" => Some(DELTA),
+        b"finish_reason" => Some(FINISH_REASON),
+        _ => None,
+    }
+}
+
+/// The string field a key of `meta` names.
+fn meta_field(key: &[u8]) -> Option<usize> {
+    match key {
+        b"message_id" => Some(MESSAGE_ID),
+        b"session_id" => Some(SESSION_ID),
+        b"run_id" => Some(RUN_ID),
+        b"inference_id" => Some(INFERENCE_ID),
+        b"turn_id" => Some(TURN_ID),
+        b"stop_reason" => Some(STOP_REASON),
+        _ => None,
+    }
+}
+
+/// The string field a key of `correlation` names.
+fn correlation_field(key: &[u8]) -> Option<usize> {
+    match key {
+        b"segment_id" => Some(SEGMENT_ID),
+        b"provider_call_id" => Some(PROVIDER_CALL_ID),
+        _ => None,
+    }
 }
 
 /// Marks field `bit` as seen; `None` if it was already.
@@ -328,6 +333,19 @@ impl<'a> Reader<'a> {
             self.at += word.len();
         }
         found
+    }
+
+    /// The value of a member whose key names `field` (read into `pieces`, once), or of any other
+    /// member (skipped).
+    fn known_string(
+        &mut self,
+        field: Option<usize>,
+        seen: &mut u32,
+        pieces: &mut [Option<ReadString>; STRING_FIELDS],
+    ) -> Option<()> {
+        let Some(field) = field else { return self.skip_value() };
+        first(seen, field)?;
+        self.string_field(&mut pieces[field])
     }
 
     /// A string field: `null` (absent) or a string: where it is, or its decoded text when it
