@@ -224,6 +224,9 @@ struct Pinned {
     rebuilt_through: u64,
     /// A rebuild in progress.
     rebuild: Option<Rebuild>,
+    /// The delivery that revealed a new pin, until its takeover has started: kept here rather
+    /// than in a future, so that a dropped [`JetStreamSource::next`] loses nothing.
+    revealed: Option<Envelope>,
 }
 
 /// A takeover's read of the stream.
@@ -420,6 +423,7 @@ async fn open_pinned_consumers(
             pin: None,
             rebuilt_through: 0,
             rebuild: None,
+            revealed: None,
         };
         let source = JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, pinned: Some(pinned) };
         sources.push((subject, Source::JetStream(Box::new(source))));
@@ -442,7 +446,8 @@ async fn restart_point(stream: &stream::Stream, name: &str) -> Option<u64> {
 }
 
 impl Source {
-    /// The next envelope; `None` when the source has ended.
+    /// The next envelope; `None` when the source has ended. Cancel-safe: the dispatcher's
+    /// `select!` drops it when the expiry tick or shutdown comes first, and nothing is lost.
     async fn next(&mut self) -> Option<Envelope> {
         match self {
             Source::Core(subscriber) => subscriber.next().await.map(Envelope::core),
@@ -451,22 +456,27 @@ impl Source {
     }
 
     /// The next envelope if one is already there, without waiting: `Some(None)` when the source
-    /// has ended, `None` when nothing is ready (and always for JetStream, whose pull logic must
-    /// not be interrupted; a core subscription's `next` can be dropped at any point).
+    /// has ended, `None` when nothing is ready (`next` is cancel-safe, so polling it once and
+    /// dropping it loses nothing).
     fn ready(&mut self) -> Option<Option<Envelope>> {
-        match self {
-            Source::Core(subscriber) => subscriber.next().now_or_never().map(|m| m.map(Envelope::core)),
-            Source::JetStream(_) => None,
-        }
+        self.next().now_or_never()
     }
 }
 
 impl JetStreamSource {
     /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
+    ///
+    /// Cancel-safe: every state it waits in lives in `self` (a takeover's revealing delivery in
+    /// [`Pinned::revealed`], a rebuild's read in [`Pinned::rebuild`]), and async-nats' pull stream
+    /// sends no pull request before its first poll, so opening one may be dropped too.
     async fn next(&mut self) -> Envelope {
         loop {
             if let Some(envelope) = self.next_rebuilt().await {
                 return envelope;
+            }
+            if let Some(pinned) = self.pinned.as_mut().filter(|p| p.revealed.is_some()) {
+                pinned.start_rebuild(&self.consumer).await;
+                continue;
             }
             let Some(messages) = self.messages.as_mut() else {
                 self.open().await;
@@ -487,7 +497,7 @@ impl JetStreamSource {
                     match self.pinned.as_mut() {
                         Some(pinned) if pin.is_some() && pin != pinned.pin => {
                             pinned.pin = pin;
-                            pinned.start_rebuild(&self.consumer, envelope).await;
+                            pinned.revealed = Some(envelope);
                         }
                         Some(pinned) => return pinned.mark(envelope),
                         None => return envelope,
@@ -520,8 +530,11 @@ impl JetStreamSource {
 
     /// Opens the pull stream, retrying until it opens.
     async fn open(&mut self) {
-        if let Some(delay) = self.pinned.as_mut().and_then(|p| p.delay.take()) {
+        if let Some(delay) = self.pinned.as_ref().and_then(|p| p.delay) {
             tokio::time::sleep(delay).await;
+            if let Some(pinned) = self.pinned.as_mut() {
+                pinned.delay = None;
+            }
         }
         loop {
             let opened = match &self.pinned {
@@ -596,7 +609,8 @@ impl JetStreamSource {
 impl Pinned {
     /// A new pin: rebuild everything between the consumer's ack floor and its delivered sequence
     /// from the stream before handing on `revealed` (the first delivery under the new pin).
-    async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer, revealed: Envelope) {
+    /// Dropped before it returns, it starts again on the next call (`revealed` stays in place).
+    async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer) {
         use jetstream::consumer::DeliverPolicy;
         let (floor, delivered) = loop {
             match consumer.get_info().await {
@@ -610,6 +624,7 @@ impl Pinned {
         tracing::info!(subject = %self.subject, floor, delivered, "pinned to this replica: rebuilding from the ack floor");
         self.rebuilt_through = self.rebuilt_through.max(delivered);
         if delivered <= floor {
+            let Some(revealed) = self.revealed.take() else { return };
             self.rebuild = Some(Rebuild { reader: None, through: delivered, revealed });
             return;
         }
@@ -631,6 +646,7 @@ impl Pinned {
                 }
             }
         };
+        let Some(revealed) = self.revealed.take() else { return };
         self.rebuild = Some(Rebuild { reader: Some(reader), through: delivered, revealed });
     }
 
@@ -692,8 +708,8 @@ impl Dispatcher {
             };
             let Some(envelope) = envelope else { return self.finish().await };
             self.dispatch(envelope).await;
-            // What the subscription already holds is taken without another round of `select!`,
-            // at most a burst at a time so that shutdown and expiry are still looked at.
+            // What the source already holds is taken without another round of `select!`, at most
+            // a burst at a time so that shutdown and expiry are still looked at.
             for _ in 1..BURST {
                 match self.source.ready() {
                     Some(Some(envelope)) => self.dispatch(envelope).await,
@@ -786,7 +802,7 @@ impl Dispatcher {
     }
 }
 
-/// Events a dispatcher takes from a core subscription between two looks at shutdown and expiry.
+/// Events a dispatcher takes from its source between two looks at shutdown and expiry.
 const BURST: usize = 64;
 
 /// The next expiry tick of an owned shard; never, when events go to worker tasks (they have
