@@ -16,8 +16,8 @@
 //! service added to a relay; this pass spends about 7,500. Values are scanned eight bytes at a
 //! time with escapes checked in line (keys, which are short, a byte at a time); decoded strings
 //! borrow from the payload unless they hold escapes, and their UTF-8 is checked in one call over
-//! the stretch they occupy. It knows nothing
-//! of the event's meaning: [`Fields`] is what serde's derive would produce.
+//! the stretch they occupy. It knows nothing of the event's meaning: [`Fields`] is what serde's
+//! derive would produce.
 
 use std::borrow::Cow;
 
