@@ -404,21 +404,14 @@ impl OutputTemplates {
     fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap, OutputKind) {
         let (subject_text, type_name, content_type) =
             (&publication.subject, publication.type_name, publication.content_type);
-        // By address first: every output of a kind shares its encoder's strings.
-        let same = |t: &OutputTemplate| {
-            Arc::ptr_eq(&t.subject_text, subject_text)
-                && std::ptr::eq(t.type_name, type_name)
-                && std::ptr::eq(t.content_type, content_type)
-        };
-        let equal = |t: &OutputTemplate| {
-            t.subject_text == *subject_text && t.type_name == type_name && t.content_type == content_type
-        };
-        let found = match self.0.iter().position(same) {
-            Some(index) => Some(index),
-            None => self.0.iter().position(equal),
-        };
+        // The subject by pointer first: every output of a kind shares its encoder's string.
+        let found = self.0.iter().find(|t| {
+            (Arc::ptr_eq(&t.subject_text, subject_text) || t.subject_text == *subject_text)
+                && t.type_name == type_name
+                && t.content_type == content_type
+        });
         let template = match found {
-            Some(index) => &self.0[index],
+            Some(template) => template,
             None => {
                 let mut headers = HeaderMap::new();
                 headers.insert(CONTENT_TYPE_HEADER, content_type);

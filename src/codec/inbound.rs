@@ -337,18 +337,16 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
 /// Whether `bytes` holds a byte below 0x20, DEL (0x7f) or 0xc2 (the lead byte of C1 controls),
 /// eight bytes at a time (ids are checked on every event).
 fn may_hold_control_characters(bytes: &[u8]) -> bool {
-    const ONES: u64 = u64::MAX / 255;
-    const HIGHS: u64 = ONES << 7;
-    let has = |word: u64, b: u8| {
-        let x = word ^ (ONES * u64::from(b));
-        x.wrapping_sub(ONES) & !x & HIGHS != 0
-    };
-    let mut chunks = bytes.chunks_exact(8);
-    let found = chunks.by_ref().any(|chunk| {
-        let word = u64::from_le_bytes(chunk.try_into().expect("eight bytes"));
-        word.wrapping_sub(ONES * 0x20) & !word & HIGHS != 0 || has(word, 0x7f) || has(word, 0xc2)
-    });
-    found || chunks.remainder().iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
+    use reader::{bytes_below, bytes_equal, word_at};
+    let mut at = 0;
+    while at + 8 <= bytes.len() {
+        let word = word_at(bytes, at);
+        if bytes_below(word, 0x20) | bytes_equal(word, 0x7f) | bytes_equal(word, 0xc2) != 0 {
+            return true;
+        }
+        at += 8;
+    }
+    bytes[at..].iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
 }
 
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.

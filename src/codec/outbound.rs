@@ -278,8 +278,7 @@ impl OutputEncoder {
             }
             OutputKind::BlockDelta { item, raw } => {
                 let tag = &self.tags[usize::from(item.tag.0)];
-                let payload =
-                    item_event(header, seq, *item, &tag.tag_field, EventBody::<proto::block_event::Event>::Text(raw));
+                let payload = item_event(header, seq, *item, &tag.tag_field, EventBody::Text(raw));
                 (tag.subject.clone(), proto::names::BLOCK_EVENT, payload)
             }
             OutputKind::BlockSnapshot { item, value } => {
@@ -320,13 +319,7 @@ impl OutputEncoder {
                 (
                     self.thinking.clone(),
                     proto::names::THINKING_TEXT,
-                    item_event(
-                        header,
-                        seq,
-                        *item,
-                        &tag.tag_field,
-                        EventBody::<proto::thinking_text::Event>::Text(text),
-                    ),
+                    item_event(header, seq, *item, &tag.tag_field, EventBody::Text(text)),
                 )
             }
             OutputKind::ThinkingEnded { item, closed } => self.thinking(
@@ -372,7 +365,9 @@ impl OutputEncoder {
         event: proto::block_event::Event,
     ) -> (Arc<str>, &'static str, Bytes) {
         let tag = &self.tags[usize::from(item.tag.0)];
-        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Message(&event));
+        let mut encoded = BytesMut::with_capacity(event.encoded_len());
+        event.encode(&mut encoded);
+        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Encoded(&encoded));
         (tag.subject.clone(), proto::names::BLOCK_EVENT, payload)
     }
 
@@ -384,7 +379,9 @@ impl OutputEncoder {
         event: proto::thinking_text::Event,
     ) -> (Arc<str>, &'static str, Bytes) {
         let tag = &self.tags[usize::from(item.tag.0)];
-        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Message(&event));
+        let mut encoded = BytesMut::with_capacity(event.encoded_len());
+        event.encode(&mut encoded);
+        let payload = item_event(header, seq, item, &tag.tag_field, EventBody::Encoded(&encoded));
         (self.thinking.clone(), proto::names::THINKING_TEXT, payload)
     }
 }
@@ -483,47 +480,18 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
 }
 
 /// The event of an item event: a delta's text (field 6, a message whose field 1 is the text: the
-/// most frequent item events, encoded without copying the text), or any other event.
-enum EventBody<'a, E> {
+/// most frequent item events, written without copying the text first), or another event already
+/// encoded with its field key (the rare ones: started, completed, snapshot, ended).
+enum EventBody<'a> {
     Text(&'a str),
-    Message(&'a E),
-}
-
-/// The events of a `BlockEvent` or a `ThinkingText` (prost's oneof types).
-trait ItemEventBody {
-    fn encoded_len(&self) -> usize;
-    fn encode(&self, buf: &mut BytesMut);
-}
-
-impl ItemEventBody for proto::block_event::Event {
-    fn encoded_len(&self) -> usize {
-        proto::block_event::Event::encoded_len(self)
-    }
-    fn encode(&self, buf: &mut BytesMut) {
-        proto::block_event::Event::encode(self, buf)
-    }
-}
-
-impl ItemEventBody for proto::thinking_text::Event {
-    fn encoded_len(&self) -> usize {
-        proto::thinking_text::Event::encoded_len(self)
-    }
-    fn encode(&self, buf: &mut BytesMut) {
-        proto::thinking_text::Event::encode(self, buf)
-    }
+    Encoded(&'a [u8]),
 }
 
 /// A `BlockEvent` or `ThinkingText` (they share their fields: stream 1, seq 2, item_id 3, tag 4,
 /// then the event), encoded field by field as prost encodes the message (fields in number order,
 /// defaults omitted), from the stream's encoded reference, the tag's encoded field, and the item
 /// id and delta text written in place rather than copied into an owned message first.
-fn item_event<E: ItemEventBody>(
-    header: &StreamHeader,
-    seq: u64,
-    item: Item,
-    tag_field: &[u8],
-    event: EventBody<'_, E>,
-) -> Bytes {
+fn item_event(header: &StreamHeader, seq: u64, item: Item, tag_field: &[u8], event: EventBody<'_>) -> Bytes {
     use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
     let mut number = itoa::Buffer::new();
     let number = number.format(item.number);
@@ -535,7 +503,7 @@ fn item_event<E: ItemEventBody>(
             let inner = text_len(text);
             key_len(6) + encoded_len_varint(inner as u64) + inner
         }
-        EventBody::Message(event) => event.encoded_len(),
+        EventBody::Encoded(event) => event.len(),
     };
     let len = header.stream_field.len()
         + if seq == 0 { 0 } else { key_len(2) + encoded_len_varint(seq) }
@@ -566,7 +534,7 @@ fn item_event<E: ItemEventBody>(
                 buf.put_slice(text.as_bytes());
             }
         }
-        EventBody::Message(event) => event.encode(&mut buf),
+        EventBody::Encoded(event) => buf.put_slice(event),
     }
     buf.freeze()
 }
@@ -659,6 +627,13 @@ mod tests {
         }
     }
 
+    /// What `encode` writes.
+    fn encoded(encode: impl FnOnce(&mut BytesMut)) -> BytesMut {
+        let mut buf = BytesMut::new();
+        encode(&mut buf);
+        buf
+    }
+
     #[test]
     fn item_events_are_encoded_exactly_as_prost_encodes_them() {
         let (_, encoder, header) = setup();
@@ -678,15 +653,20 @@ mod tests {
                         event: Some(event),
                     };
                     let delta = proto::block_event::Event::Delta(proto::BlockDelta { raw: text.to_owned() });
-                    let ours =
-                        item_event(&header, seq, item, block_tag, EventBody::<proto::block_event::Event>::Text(text));
+                    let ours = item_event(&header, seq, item, block_tag, EventBody::Text(text));
                     assert_eq!(ours, splice(&header, &block(delta)), "block delta {seq} {number} {text:?}");
                     let completed = proto::block_event::Event::Completed(proto::BlockCompleted {
                         raw: text.to_owned(),
                         success: !text.is_empty(),
                         ..Default::default()
                     });
-                    let ours = item_event(&header, seq, item, block_tag, EventBody::Message(&completed));
+                    let ours = item_event(
+                        &header,
+                        seq,
+                        item,
+                        block_tag,
+                        EventBody::Encoded(&encoded(|b| completed.encode(b))),
+                    );
                     assert_eq!(ours, splice(&header, &block(completed)), "block completed {seq} {number} {text:?}");
 
                     let thinking = |event| proto::ThinkingText {
@@ -697,16 +677,11 @@ mod tests {
                         event: Some(event),
                     };
                     let delta = proto::thinking_text::Event::Delta(proto::ThinkingDelta { text: text.to_owned() });
-                    let ours = item_event(
-                        &header,
-                        seq,
-                        item,
-                        thinking_tag,
-                        EventBody::<proto::thinking_text::Event>::Text(text),
-                    );
+                    let ours = item_event(&header, seq, item, thinking_tag, EventBody::Text(text));
                     assert_eq!(ours, splice(&header, &thinking(delta)), "thinking delta {seq} {number} {text:?}");
                     let ended = proto::thinking_text::Event::Ended(proto::ThinkingEnded { closed: text.is_empty() });
-                    let ours = item_event(&header, seq, item, thinking_tag, EventBody::Message(&ended));
+                    let ours =
+                        item_event(&header, seq, item, thinking_tag, EventBody::Encoded(&encoded(|b| ended.encode(b))));
                     assert_eq!(ours, splice(&header, &thinking(ended)), "thinking ended {seq} {number} {text:?}");
                 }
             }
