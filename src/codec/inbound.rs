@@ -335,16 +335,14 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
 }
 
 /// Whether `bytes` holds a byte below 0x20, DEL (0x7f) or 0xc2 (the lead byte of C1 controls),
-/// eight bytes at a time (ids are checked on every event).
+/// sixteen bytes at a time (ids are checked on every event).
 fn may_hold_control_characters(bytes: &[u8]) -> bool {
-    use reader::{bytes_below, bytes_equal, word_at};
     let mut at = 0;
-    while at + 8 <= bytes.len() {
-        let word = word_at(bytes, at);
-        if bytes_below(word, 0x20) | bytes_equal(word, 0x7f) | bytes_equal(word, 0xc2) != 0 {
+    while let Some(chunk) = reader::Chunk::at(bytes, at) {
+        if chunk.below(0x20) | chunk.equal(0x7f) | chunk.equal(0xc2) != 0 {
             return true;
         }
-        at += 8;
+        at += 16;
     }
     bytes[at..].iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
 }
@@ -472,7 +470,7 @@ mod tests {
     const MID: &str = "3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071";
 
     #[test]
-    fn the_word_wise_control_check_finds_what_a_byte_wise_one_finds() {
+    fn the_chunk_wise_control_check_finds_what_a_byte_wise_one_finds() {
         let suspect = |b: u8| b < 0x20 || b == 0x7f || b == 0xc2;
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for len in 0..40 {
