@@ -318,7 +318,13 @@ impl<'a> Reader<'a> {
         (self.next()? == b).then_some(())
     }
 
+    #[inline]
     fn whitespace(&mut self) {
+        // Go's encoder writes none: one comparison for the usual byte (every JSON token starts
+        // above the space).
+        if self.peek().is_some_and(|b| b > b' ') {
+            return;
+        }
         while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
             self.at += 1;
         }
@@ -392,7 +398,14 @@ impl<'a> Reader<'a> {
         seen: &mut u32,
         pieces: &mut [Option<ReadString>; STRING_FIELDS],
     ) -> Option<()> {
-        let Some(field) = field else { return self.skip_value() };
+        let Some(field) = field else {
+            // Most skipped values are strings (`model`, the cumulative `completion`).
+            if self.peek() == Some(b'"') {
+                self.at += 1;
+                return self.string_end().map(drop);
+            }
+            return self.skip_value();
+        };
         first(seen, field)?;
         self.string_field(&mut pieces[field])
     }
