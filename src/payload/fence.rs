@@ -2,7 +2,7 @@
 //!
 //! Owns the rules for finding the body of the first ```` ``` ```` fence, both on a complete text
 //! ([`fenced_body`], [`find_fence`]) and line by line while the text streams
-//! ([`FenceTracker`], used by the YAML snapshots so they never rescan the head of the payload).
+//! (`FenceTracker`, used by the YAML snapshots so they never rescan the head of the payload).
 //! It does not know what format the body is in; YAML and JSON parsing live beside it.
 //!
 //! The rules, on lines (a line ends at `\n`; a `\r` before it counts as trailing whitespace):

@@ -11,7 +11,7 @@
 //! [`MIN_GROWTH_BYTES`]). Attempt sizes therefore grow at least geometrically (×1.25), so the
 //! sizes of all attempts sum to less than 5× the payload, whatever its shape or chunking.
 //!
-//! * **YAML** re-parses the fence body (found line by line by a [`FenceTracker`], never
+//! * **YAML** re-parses the fence body (found line by line by a `FenceTracker`, never
 //!   rescanning the head) cut at the last newline, and only in a push that brought a newline.
 //!   Trailing lines that open a nested value (`key:`, a bare `-`) are held back, so a key does
 //!   not show as `null` and then turn into a mapping or sequence. A failed strict parse is
