@@ -367,10 +367,10 @@ impl<'a> Reader<'a> {
     fn key(&mut self) -> Option<&'a [u8]> {
         self.expect(b'"')?;
         let start = self.at;
-        let len = match Chunk::at(self.bytes, start) {
+        let len = match Chunk::at(self.bytes, start).map(|chunk| (chunk, chunk.equal(b'"'))) {
             // Keys are short: one chunk holds the closing quote of nearly all of them.
-            Some(chunk) if chunk.equal(b'"') != 0 => {
-                let len = chunk.equal(b'"').trailing_zeros() as usize;
+            Some((chunk, quotes)) if quotes != 0 => {
+                let len = quotes.trailing_zeros() as usize;
                 let refused = chunk.below(0x20) | chunk.at_least(0x7f) | chunk.equal(b'\\');
                 (refused & !(u32::MAX << len) == 0).then_some(len)?
             }
