@@ -3,8 +3,9 @@
 //!
 //! Run (release): `cargo bench --bench e2e -- [--streams N] [--events-per-stream M]
 //! [--mode core|jetstream] [--quick] [--idle-streams N] [--no-completion] [--window N]
-//! [--rounds R]`. Without `--bench` on the command line (as under `cargo test --all-targets`) it
-//! runs a small smoke configuration and fails if an output is missing.
+//! [--rounds R] [--rate EVENTS_PER_S] [--paired EVENTS_PER_S]...` (`--help` lists the rest).
+//! Without `--bench` on the command line (as under `cargo test --all-targets`) it runs a small
+//! smoke configuration and fails if an output is missing.
 //!
 //! What it does:
 //! * Starts `nats-server` (`NATS_SERVER_BIN`, else `nats-server` on `PATH`, else
@@ -31,7 +32,11 @@
 //!   events / (last output received - first event published). In `--mode jetstream` each round
 //!   ends with a backlog phase per system: the workload is stored in a fresh stream first (every
 //!   publish confirmed), then the system starts and drains it (the catch-up rate after an outage,
-//!   apart from the cost of storing events at the same time; no latency).
+//!   apart from the cost of storing events at the same time; no latency). Each `--paired RATE`
+//!   adds a phase in which relay and service consume the same input at once, paced at RATE: every
+//!   service output is timed against its event's relay output, which left the producer in the
+//!   same publish and crossed the same hops, so the difference is the service's own added latency
+//!   per event, not a difference of two percentiles from two runs (the smoke run includes one).
 //! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
 //!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
 //!   producer runs on its own thread and client; the subscriber on another client.
@@ -91,12 +96,15 @@ struct Args {
     open_streams: Option<usize>,
     /// `--mode jetstream`: `jetstream.pull_batch` for both systems (default: the service's).
     pull_batch: Option<usize>,
+    /// Rates of the paired phases (`--paired RATE`, repeatable): relay and service at once.
+    paired: Vec<f64>,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
-[--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--profile-service | --profile-relay]";
+[--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
+[--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -118,6 +126,7 @@ fn parse_args() -> Result<Args> {
         rate: None,
         open_streams: None,
         pull_batch: None,
+        paired: Vec::new(),
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -142,6 +151,7 @@ fn parse_args() -> Result<Args> {
             "--ack-pending" => args.ack_pending = Some(number(a, it.next())?.max(1) as i64),
             "--open-streams" => args.open_streams = Some(number(a, it.next())?.max(1)),
             "--pull-batch" => args.pull_batch = Some(number(a, it.next())?.max(1)),
+            "--paired" => args.paired.push(number(a, it.next())?.max(100) as f64),
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -159,6 +169,10 @@ fn parse_args() -> Result<Args> {
     if args.smoke {
         // `cargo test --all-targets` runs bench binaries without `--bench`: a few seconds only.
         (args.streams, args.events_per_stream, args.idle_streams) = (20, 30, 2_000);
+        // The paired accounting too (both systems' outputs checked off in one phase).
+        if args.paired.is_empty() {
+            args.paired.push(5_000.0);
+        }
     } else if args.quick {
         (args.streams, args.events_per_stream, args.idle_streams) = (200, 100, 20_000);
     }
@@ -488,17 +502,15 @@ struct Percentiles {
     max: f64,
 }
 
-/// Percentiles in microseconds.
-fn percentiles(samples: &mut [u64]) -> Percentiles {
+/// Percentiles in microseconds of samples in nanoseconds (signed for differences).
+fn percentiles<T: Ord + Copy + Into<i128>>(samples: &mut [T]) -> Percentiles {
     if samples.is_empty() {
         return Percentiles::default();
     }
     samples.sort_unstable();
-    let at = |q: f64| {
-        let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
-        samples[i] as f64 / 1000.0
-    };
-    Percentiles { p50: at(0.50), p99: at(0.99), p999: at(0.999), max: samples[samples.len() - 1] as f64 / 1000.0 }
+    let us = |ns: T| Into::<i128>::into(ns) as f64 / 1000.0;
+    let at = |q: f64| us(samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1]);
+    Percentiles { p50: at(0.50), p99: at(0.99), p999: at(0.999), max: us(samples[samples.len() - 1]) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -508,6 +520,9 @@ fn percentiles(samples: &mut [u64]) -> Percentiles {
 enum System {
     Relay,
     Service,
+    /// Relay and service at once on the same input: every event's relay output times its service
+    /// outputs (see [`added_latency`]).
+    Paired,
 }
 
 const INPUT_SUBJECT: &str = "chat";
@@ -531,6 +546,8 @@ enum Input {
 enum Running {
     Relay { task: tokio::task::JoinHandle<()>, stop: Arc<AtomicBool> },
     Service(Box<RunningService>),
+    /// The service and the relay.
+    Paired(Box<Running>, Box<Running>),
 }
 
 impl Running {
@@ -543,12 +560,17 @@ impl Running {
                 Ok(())
             }
             Running::Service(service) => service.shutdown().await.map_err(|e| anyhow!("service shutdown: {e}")),
+            Running::Paired(service, relay) => {
+                Box::pin(relay.stop()).await?;
+                Box::pin(service.stop()).await
+            }
         }
     }
 
     fn service(&self) -> Option<&RunningService> {
         match self {
             Running::Service(s) => Some(s),
+            Running::Paired(service, _) => service.service(),
             Running::Relay { .. } => None,
         }
     }
@@ -632,6 +654,11 @@ async fn start_system(
         delete_js_stream(admin).await;
     }
     match system {
+        System::Paired => {
+            let service = Box::pin(start_system(System::Service, mode, config, admin, true)).await?;
+            let relay = Box::pin(start_system(System::Relay, mode, config, admin, true)).await?;
+            Ok(Running::Paired(Box::new(service), Box::new(relay)))
+        }
         System::Service => {
             let service = RunningService::start(config.clone()).await.map_err(|e| anyhow!("service start: {e}"))?;
             let deadline = Instant::now() + Duration::from_secs(10);
@@ -724,7 +751,12 @@ struct PhaseResult {
     out_rate: f64,
     target_rate: Option<f64>,
     max_lag_ms: f64,
+    /// Publish to receive: of the service's outputs (the relay's in a relay phase).
     latency: Percentiles,
+    /// Paired phases: publish to receive of the relay's outputs.
+    relay_latency: Percentiles,
+    /// Paired phases: the service's outputs against their events' relay outputs.
+    added: Option<Added>,
     slow_consumers: u64,
     service_received: Option<u64>,
     service_published: Option<u64>,
@@ -734,6 +766,17 @@ struct PhaseResult {
     /// producer thread, nats-server.
     cpu_per_event: [f64; 3],
     timed_out: bool,
+}
+
+/// A paired phase's added latency: each service output's receive time minus that of its event's
+/// relay output.
+#[derive(Debug, Clone, Default)]
+struct Added {
+    at: Percentiles,
+    /// Service outputs with a relay output to compare with.
+    samples: u64,
+    /// Of those, how many arrived before the relay's copy.
+    earlier: u64,
 }
 
 struct ProducerStats {
@@ -770,6 +813,7 @@ fn spawn_producer(
                 let expect = match system {
                     System::Relay => k as u64 + 1,
                     System::Service => workload.expected_after[k],
+                    System::Paired => k as u64 + 1 + workload.expected_after[k],
                 };
                 if expect > received.load(Ordering::Acquire) + window {
                     client.flush().await?;
@@ -827,7 +871,13 @@ fn spawn_producer(
 }
 
 struct Collected {
+    /// Publish to receive, ns: of the service's outputs (the relay's in a relay phase).
     latencies: Vec<u64>,
+    /// Paired phases: publish to receive of the relay's outputs.
+    relay_latencies: Vec<u64>,
+    /// Paired phases: for each service output, its receive time minus the receive time of its
+    /// event's relay output, ns.
+    added: Vec<i64>,
     last_ns: u64,
     valid: u64,
     duplicates: u64,
@@ -836,11 +886,36 @@ struct Collected {
     timed_out: bool,
 }
 
+/// Where an output goes in the collector's accounting.
+#[derive(Debug, Clone, Copy)]
+enum Arrival {
+    /// The relay's copy of event `g`.
+    Relay { g: u64 },
+    /// Service output number `slot` (flat numbering, see [`Workload::output_offset`]), caused by
+    /// event `g`.
+    Service { slot: u64, g: u64 },
+}
+
+/// Which output `message` is: the relay's (by its `Bench-Event` header) or the service's (by its
+/// `Nats-Msg-Id`); `None` when it is neither.
+fn arrival(message: &async_nats::Message, workload: &Workload) -> Option<Arrival> {
+    let headers = message.headers.as_ref()?;
+    if message.subject.as_str() == RELAY_OUT {
+        let g = headers.get(EVENT_HEADER)?.as_str().parse::<u64>().ok()?;
+        return (g < workload.order.len() as u64).then_some(Arrival::Relay { g });
+    }
+    let (id, seq) = headers.get(async_nats::header::NATS_MESSAGE_ID)?.as_str().rsplit_once(':')?;
+    let s = stream_of_id(id).filter(|s| workload.stream_ids.get(*s).is_some_and(|x| x == id))?;
+    let seq: usize = seq.parse().ok()?;
+    let g = *workload.seq_event[s].get(seq.checked_sub(1)?)?;
+    Some(Arrival::Service { slot: workload.output_offset[s] + seq as u64 - 1, g: u64::from(g) })
+}
+
 /// Counts outputs until every expected one is in, or the deadline, or 3 s without progress after
 /// the producer finished.
 #[allow(clippy::too_many_arguments)]
 async fn collect(
-    mut sub: async_nats::Subscriber,
+    mut outputs: futures::stream::BoxStream<'static, async_nats::Message>,
     system: System,
     workload: Arc<Workload>,
     sent: Arc<Vec<AtomicU64>>,
@@ -849,9 +924,21 @@ async fn collect(
     expected: u64,
     deadline: Instant,
 ) -> Collected {
+    let events = workload.order.len();
+    // Flat numbering of what is expected: the relay's outputs (one per event) first.
+    let (relay_slots, service_offset) = match system {
+        System::Relay => (events, 0),
+        System::Service => (0, 0),
+        System::Paired => (events, events as u64),
+    };
     let mut seen = vec![false; expected as usize];
+    // Paired: when each event's relay output arrived, and each service output with its event.
+    let mut relay_at = vec![0u64; if system == System::Paired { events } else { 0 }];
+    let mut service_at: Vec<(u64, u32)> = Vec::new();
     let mut c = Collected {
         latencies: Vec::with_capacity(expected as usize),
+        relay_latencies: Vec::new(),
+        added: Vec::new(),
         last_ns: 0,
         valid: 0,
         duplicates: 0,
@@ -866,7 +953,7 @@ async fn collect(
             c.timed_out = true;
             break;
         }
-        let message = match tokio::time::timeout(Duration::from_millis(200), sub.next()).await {
+        let message = match tokio::time::timeout(Duration::from_millis(200), outputs.next()).await {
             Ok(Some(m)) => m,
             Ok(None) => break,
             Err(_) => continue,
@@ -878,40 +965,54 @@ async fn collect(
             c.dead_letters += 1;
             continue;
         }
-        let slot = match system {
-            System::Relay => message
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(EVENT_HEADER))
-                .and_then(|v| v.as_str().parse::<u64>().ok())
-                .filter(|g| *g < expected)
-                .map(|g| (g, g)),
-            System::Service => {
-                message.headers.as_ref().and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID)).and_then(|v| {
-                    let (id, seq) = v.as_str().rsplit_once(':')?;
-                    let s = stream_of_id(id).filter(|s| workload.stream_ids.get(*s).is_some_and(|x| x == id))?;
-                    let seq: usize = seq.parse().ok()?;
-                    let g = *workload.seq_event[s].get(seq.checked_sub(1)?)?;
-                    Some((workload.output_offset[s] + seq as u64 - 1, u64::from(g)))
-                })
+        let (slot, g, relayed) = match arrival(&message, &workload) {
+            Some(Arrival::Relay { g }) if relay_slots > 0 => (g, g, true),
+            Some(Arrival::Service { slot, g }) if system != System::Relay => (service_offset + slot, g, false),
+            _ => {
+                c.unexpected += 1;
+                continue;
             }
         };
-        let Some((slot, g)) = slot else {
-            c.unexpected += 1;
-            continue;
-        };
-        if std::mem::replace(&mut seen[slot as usize], true) {
-            c.duplicates += 1;
+        if slot >= expected || std::mem::replace(&mut seen[slot as usize], true) {
+            c.duplicates += u64::from(slot < expected);
+            c.unexpected += u64::from(slot >= expected);
             continue;
         }
         c.valid += 1;
         c.last_ns = at;
+        if system == System::Paired {
+            if relayed {
+                relay_at[g as usize] = at;
+            } else {
+                service_at.push((at, g as u32));
+            }
+        }
         let t = sent[g as usize].load(Ordering::Acquire);
         if t > 0 && at >= t {
-            c.latencies.push(at - t);
+            if relayed && system == System::Paired {
+                c.relay_latencies.push(at - t);
+            } else {
+                c.latencies.push(at - t);
+            }
         }
     }
+    c.added = added_latency(&relay_at, &service_at);
     c
+}
+
+/// For every service output whose event's relay output arrived too: how much later it arrived
+/// than the relay's copy (negative when earlier), ns. Both copies of an event left the producer
+/// in the same publish and crossed the same two NATS hops at the same moment, so the difference
+/// is what the service's processing added for that event, free of the producer's and the
+/// server's delays that both share.
+fn added_latency(relay_at: &[u64], service_at: &[(u64, u32)]) -> Vec<i64> {
+    service_at
+        .iter()
+        .filter_map(|&(at, g)| {
+            let relayed = *relay_at.get(g as usize)?;
+            (relayed > 0).then(|| at as i64 - relayed as i64)
+        })
+        .collect()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -931,11 +1032,16 @@ async fn run_phase(
         prefill(admin, workload).await?;
     }
     // Subscribed before the system starts: draining a backlog, it publishes from its first moment.
-    let out_subject = match system {
-        System::Relay => RELAY_OUT.to_owned(),
-        System::Service => format!("{INPUT_SUBJECT}.>"),
+    let service_out = format!("{INPUT_SUBJECT}.>");
+    let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match system {
+        System::Relay => subscriber.subscribe(RELAY_OUT).await?.boxed(),
+        System::Service => subscriber.subscribe(service_out).await?.boxed(),
+        System::Paired => futures::stream::select(
+            subscriber.subscribe(RELAY_OUT).await?,
+            subscriber.subscribe(service_out).await?,
+        )
+        .boxed(),
     };
-    let sub = subscriber.subscribe(out_subject).await?;
     round_trip(subscriber).await;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
     let started_ns = now_ns();
@@ -945,6 +1051,7 @@ async fn run_phase(
     let expected = match system {
         System::Relay => events,
         System::Service => workload.expected_outputs,
+        System::Paired => events + workload.expected_outputs,
     };
     // Generous but bounded: 60 s plus 50 µs per event.
     let deadline = Instant::now() + Duration::from_secs(60) + Duration::from_micros(50 * events);
@@ -954,7 +1061,7 @@ async fn run_phase(
     let slow_before = slow.load(Ordering::Relaxed);
 
     let collector = tokio::spawn(collect(
-        sub,
+        outputs,
         system,
         workload.clone(),
         sent.clone(),
@@ -1017,6 +1124,12 @@ async fn run_phase(
         target_rate: pace,
         max_lag_ms: stats.max_lag.as_secs_f64() * 1e3,
         latency: percentiles(&mut collected.latencies),
+        relay_latency: percentiles(&mut collected.relay_latencies),
+        added: (system == System::Paired).then(|| Added {
+            samples: collected.added.len() as u64,
+            earlier: collected.added.iter().filter(|d| **d < 0).count() as u64,
+            at: percentiles(&mut collected.added),
+        }),
         slow_consumers: slow.load(Ordering::Relaxed) - slow_before,
         service_received: snapshot.as_ref().map(|s| s.events_received),
         service_published: snapshot.as_ref().map(|s| s.messages_published_total()),
@@ -1168,6 +1281,7 @@ fn report(
     memory: Option<&MemoryResult>,
     max: &[(PhaseResult, PhaseResult)],
     half: &[PhaseResult],
+    paired: &[PhaseResult],
     backlog: &[(PhaseResult, PhaseResult)],
     wall: f64,
     peak_kib: u64,
@@ -1313,6 +1427,10 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         );
     }
 
+    if !paired.is_empty() {
+        paired_report(&mut out, paired);
+    }
+
     let backlog_in = median(backlog.iter().filter(|(_, s)| s.complete()).map(|(_, s)| s.in_rate).collect());
     if !backlog.is_empty() {
         let relay_backlog = median(backlog.iter().filter(|(r, _)| r.complete()).map(|(r, _)| r.in_rate).collect());
@@ -1347,8 +1465,13 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         out,
         "| phase | CPU µs/event: tokio workers (system + subscriber) | producer | nats-server | producer publish rate | service events received | service messages published | shard inbox waits | slow consumer events (subscriber) | process VmRSS after |\n|---|---|---|---|---|---|---|---|---|---|"
     );
-    let phases =
-        || max.iter().flat_map(|(r, s)| [r, s]).chain(half.iter()).chain(backlog.iter().flat_map(|(r, s)| [r, s]));
+    let phases = || {
+        max.iter()
+            .flat_map(|(r, s)| [r, s])
+            .chain(half.iter())
+            .chain(paired.iter())
+            .chain(backlog.iter().flat_map(|(r, s)| [r, s]))
+    };
     for p in phases() {
         let opt = |v: Option<u64>| v.map_or("–".to_owned(), |v| v.to_string());
         let publish_rate = if p.publish_elapsed > 0.0 {
@@ -1438,6 +1561,41 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         let _ = writeln!(out, "\n**Some phase lost, duplicated or dead-lettered outputs, or timed out: see above.**");
     }
     (out, complete)
+}
+
+/// The paired phases: the service's delay per output against its event's relay output.
+fn paired_report(out: &mut String, paired: &[PhaseResult]) {
+    let _ = writeln!(
+        out,
+        "### Added latency, paired (`--paired`)\n\n\
+         Relay and service run at once on the same input: each event is published once, and each service \
+         output is timed against its event's relay output, which left the producer in the same publish and \
+         crossed the same two hops. The difference is what the service added to that event. Both systems \
+         load the machine at once, so a paired phase at a rate costs more CPU than either system alone.\n\n\
+         | rate | service p50 / p99 µs | relay p50 / p99 µs | added p50 µs | added p99 µs | added p99.9 µs | added max µs | earlier than the relay | outputs received |\n\
+         |---|---|---|---|---|---|---|---|---|"
+    );
+    for p in paired {
+        let Some(added) = &p.added else { continue };
+        let check = if p.complete() { "ok".to_owned() } else { format!("**{} missing**", p.missing) };
+        let _ = writeln!(
+            out,
+            "| {} | {:.0} / {:.0} | {:.0} / {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% | {}/{} {check} |",
+            p.target_rate.map_or_else(|| "–".to_owned(), fmt_rate),
+            p.latency.p50,
+            p.latency.p99,
+            p.relay_latency.p50,
+            p.relay_latency.p99,
+            added.at.p50,
+            added.at.p99,
+            added.at.p999,
+            added.at.max,
+            100.0 * added.earlier as f64 / added.samples.max(1) as f64,
+            p.received,
+            p.expected,
+        );
+    }
+    let _ = writeln!(out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1584,6 +1742,24 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         .await?;
         vec![service_half, relay_half]
     };
+    let mut paired = Vec::new();
+    for &rate in &args.paired {
+        eprintln!("relay and service at once, {} events/s ...", rate.round());
+        let p = run_phase(
+            "relay + structured-sink, paired",
+            System::Paired,
+            args,
+            &config,
+            &workload,
+            Some(rate),
+            &subscriber,
+            &admin,
+            &slow,
+            Input::Live,
+        )
+        .await?;
+        paired.push(p);
+    }
     let mut backlog = Vec::new();
     if args.mode == Mode::JetStream {
         for round in 1..=args.rounds {
@@ -1624,6 +1800,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         memory.as_ref(),
         &max,
         &half,
+        &paired,
         &backlog,
         wall.elapsed().as_secs_f64(),
         peak,
