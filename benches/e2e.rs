@@ -544,7 +544,10 @@ enum Input {
 }
 
 enum Running {
-    Relay { task: tokio::task::JoinHandle<()>, stop: Arc<AtomicBool> },
+    Relay {
+        task: tokio::task::JoinHandle<()>,
+        stop: Arc<AtomicBool>,
+    },
     Service(Box<RunningService>),
     /// The service and the relay.
     Paired(Box<Running>, Box<Running>),
@@ -1036,11 +1039,10 @@ async fn run_phase(
     let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match system {
         System::Relay => subscriber.subscribe(RELAY_OUT).await?.boxed(),
         System::Service => subscriber.subscribe(service_out).await?.boxed(),
-        System::Paired => futures::stream::select(
-            subscriber.subscribe(RELAY_OUT).await?,
-            subscriber.subscribe(service_out).await?,
-        )
-        .boxed(),
+        System::Paired => {
+            futures::stream::select(subscriber.subscribe(RELAY_OUT).await?, subscriber.subscribe(service_out).await?)
+                .boxed()
+        }
     };
     round_trip(subscriber).await;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
