@@ -160,7 +160,7 @@ impl RunningService {
             dead_letter: Subject::from(config.input.dead_letter_subject.as_str()),
             reported: Reported::default(),
             templates: OutputTemplates::default(),
-            held: HashMap::new(),
+            held: HeldAcks::default(),
             // A short timeout: a confirmation lost with a failing server is published again soon
             // instead of holding the worker for async-nats' default of 5 s per awaited
             // confirmation (`ack_timeout` would only bound confirmations nobody awaits).
@@ -366,9 +366,8 @@ pub struct NatsSink {
     dead_letter: Subject,
     reported: Reported,
     templates: OutputTemplates,
-    /// JetStream acks held per open stream: (stream sequence, reply subject of the latest
-    /// delivery).
-    held: HashMap<Box<str>, Vec<(u64, Subject)>>,
+    /// JetStream acks held per open stream until it ends.
+    held: HeldAcks,
     /// JetStream input: outputs are published through JetStream and their storage confirmed
     /// before the stream's input is acknowledged (a core publish can be lost when the server
     /// that took it dies before passing it on to the stream's leader).
@@ -437,6 +436,45 @@ impl OutputTemplates {
     }
 }
 
+/// The JetStream acks of each open stream's input, held until the stream ends: per stream, its
+/// messages' stream sequences with the reply subject of each one's latest delivery.
+#[derive(Default)]
+struct HeldAcks(HashMap<Box<str>, Vec<(u64, Subject)>>);
+
+impl HeldAcks {
+    /// Holds the ack of `stream_id`'s message at `sequence`. A redelivery of a held message
+    /// replaces its reply subject: the ack goes to the latest delivery.
+    fn hold(&mut self, stream_id: &str, sequence: u64, reply: Subject) {
+        // Looked up before inserting: an entry would need an owned key for every event.
+        let Some(held) = self.0.get_mut(stream_id) else {
+            self.0.insert(stream_id.into(), vec![(sequence, reply)]);
+            return;
+        };
+        // Deliveries come in stream order, so a new message is nearly always the latest: only a
+        // redelivery (or a message older than the latest) is searched for, which keeps a long
+        // stream's bookkeeping linear instead of quadratic.
+        if held.last().is_some_and(|(last, _)| *last < sequence) {
+            held.push((sequence, reply));
+            return;
+        }
+        match held.iter_mut().find(|(s, _)| *s == sequence) {
+            Some(entry) => entry.1 = reply,
+            None => held.push((sequence, reply)),
+        }
+    }
+
+    /// Drops `stream_id`'s held acks unsent (its input stays unacknowledged).
+    fn forget(&mut self, stream_id: &str) {
+        self.0.remove(stream_id);
+    }
+
+    /// The reply subjects of `stream_id`'s held acks, in the order first held; none are held
+    /// for it afterwards.
+    fn take(&mut self, stream_id: &str) -> impl Iterator<Item = Subject> {
+        self.0.remove(stream_id).unwrap_or_default().into_iter().map(|(_, reply)| reply)
+    }
+}
+
 /// An output published through JetStream whose storage is not confirmed yet.
 struct Unconfirmed {
     /// The confirmation to await, or why the publish could not even be sent.
@@ -478,7 +516,7 @@ impl Clone for NatsSink {
             dead_letter: self.dead_letter.clone(),
             reported: Reported::default(),
             templates: OutputTemplates::default(),
-            held: HashMap::new(),
+            held: HeldAcks::default(),
             confirm: self.confirm.clone(),
             captures: HashMap::new(),
             unconfirmed: HashMap::new(),
@@ -699,13 +737,7 @@ impl ShardSink for NatsSink {
         // Once per event, whatever number of outputs it had (all of them are handed over now).
         self.metrics.observe_event_latency(envelope.received.elapsed());
         let (Some(reply), Some(sequence)) = (envelope.ack, envelope.sequence) else { return };
-        let held = self.held.entry(stream_id.into()).or_default();
-        // A redelivery of a held message replaces the reply subject: acks go to the latest
-        // delivery.
-        match held.iter_mut().find(|(s, _)| *s == sequence) {
-            Some(entry) => entry.1 = reply,
-            None => held.push((sequence, reply)),
-        }
+        self.held.hold(stream_id, sequence, reply);
     }
 
     async fn stream_closed(&mut self, stream_id: &str) {
@@ -721,10 +753,10 @@ impl ShardSink for NatsSink {
                 stream_id,
                 "outputs not confirmed before shutdown; leaving the stream's input unacknowledged"
             );
-            self.held.remove(stream_id);
+            self.held.forget(stream_id);
             return;
         }
-        for (_, reply) in self.held.remove(stream_id).unwrap_or_default() {
+        for reply in self.held.take(stream_id) {
             self.send_ack(reply).await;
         }
     }
@@ -897,4 +929,37 @@ async fn register(
         }
     });
     Ok((service, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn taken(held: &mut HeldAcks, stream_id: &str) -> Vec<String> {
+        held.take(stream_id).map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn held_acks_go_to_each_messages_latest_delivery_once_per_message() {
+        let mut held = HeldAcks::default();
+        for sequence in 1..=1000 {
+            held.hold("a", sequence, Subject::from(format!("ack.{sequence}.first")));
+        }
+        held.hold("b", 5, Subject::from("ack.b.5"));
+        // Redeliveries of the first, a middle and the latest message: their reply subjects change.
+        for sequence in [1, 500, 1000] {
+            held.hold("a", sequence, Subject::from(format!("ack.{sequence}.again")));
+        }
+        // A message older than the latest that was not held yet is held too.
+        held.hold("b", 3, Subject::from("ack.b.3"));
+        let a = taken(&mut held, "a");
+        assert_eq!(a.len(), 1000, "one ack per message");
+        assert_eq!((a[0].as_str(), a[1].as_str()), ("ack.1.again", "ack.2.first"));
+        assert_eq!(
+            (a[499].as_str(), a[998].as_str(), a[999].as_str()),
+            ("ack.500.again", "ack.999.first", "ack.1000.again")
+        );
+        assert!(taken(&mut held, "a").is_empty(), "taken once");
+        assert_eq!(taken(&mut held, "b"), ["ack.b.5", "ack.b.3"]);
+    }
 }
