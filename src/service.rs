@@ -318,9 +318,9 @@ impl RunningService {
             tracing::error!(error = %e, "final flush failed");
         }
         // A flush only hands the outputs to the socket. Closing a socket that holds unread input
-        // (events still arriving, anything the server sent) makes the kernel reset the connection and discard
-        // what it has not sent yet: the last outputs would be lost. The server's answer to a
-        // request sent now comes only once it has read everything before it.
+        // (events still arriving, anything the server sent) makes the kernel reset the connection
+        // and discard what it has not sent yet: the last outputs would be lost. The server's
+        // answer to a request sent now comes only once it has read everything before it.
         round_trip(&self.client).await;
         if let Some(api) = self.api.take() {
             if let Err(e) = api.stop().await {
