@@ -437,7 +437,7 @@ impl OutputTemplates {
 }
 
 /// The JetStream acks of each open stream's input, held until the stream ends: per stream, its
-/// messages' stream sequences with the reply subject of each one's latest delivery.
+/// messages' stream sequences, in order, with the reply subject of each one's latest delivery.
 #[derive(Default)]
 struct HeldAcks(HashMap<Box<str>, Vec<(u64, Subject)>>);
 
@@ -450,16 +450,16 @@ impl HeldAcks {
             self.0.insert(stream_id.into(), vec![(sequence, reply)]);
             return;
         };
-        // Deliveries come in stream order, so a new message is nearly always the latest: only a
-        // redelivery (or a message older than the latest) is searched for, which keeps a long
-        // stream's bookkeeping linear instead of quadratic.
+        // Deliveries come in stream order, so a new message is nearly always the latest and is
+        // appended; a redelivery (or a message older than the latest) is found by sequence. Kept
+        // in order, the last entry is always the latest held.
         if held.last().is_some_and(|(last, _)| *last < sequence) {
             held.push((sequence, reply));
             return;
         }
-        match held.iter_mut().find(|(s, _)| *s == sequence) {
-            Some(entry) => entry.1 = reply,
-            None => held.push((sequence, reply)),
+        match held.binary_search_by_key(&sequence, |(s, _)| *s) {
+            Ok(i) => held[i].1 = reply,
+            Err(i) => held.insert(i, (sequence, reply)),
         }
     }
 
@@ -468,8 +468,8 @@ impl HeldAcks {
         self.0.remove(stream_id);
     }
 
-    /// The reply subjects of `stream_id`'s held acks, in the order first held; none are held
-    /// for it afterwards.
+    /// The reply subjects of `stream_id`'s held acks, in stream order; none are held for it
+    /// afterwards.
     fn take(&mut self, stream_id: &str) -> impl Iterator<Item = Subject> {
         self.0.remove(stream_id).unwrap_or_default().into_iter().map(|(_, reply)| reply)
     }
@@ -950,8 +950,10 @@ mod tests {
         for sequence in [1, 500, 1000] {
             held.hold("a", sequence, Subject::from(format!("ack.{sequence}.again")));
         }
-        // A message older than the latest that was not held yet is held too.
+        // A message older than the latest that was not held yet is held too, and a redelivery of
+        // the latest after it is still found (not held twice).
         held.hold("b", 3, Subject::from("ack.b.3"));
+        held.hold("b", 5, Subject::from("ack.b.5.again"));
         let a = taken(&mut held, "a");
         assert_eq!(a.len(), 1000, "one ack per message");
         assert_eq!((a[0].as_str(), a[1].as_str()), ("ack.1.again", "ack.2.first"));
@@ -960,6 +962,6 @@ mod tests {
             ("ack.500.again", "ack.999.first", "ack.1000.again")
         );
         assert!(taken(&mut held, "a").is_empty(), "taken once");
-        assert_eq!(taken(&mut held, "b"), ["ack.b.5", "ack.b.3"]);
+        assert_eq!(taken(&mut held, "b"), ["ack.b.3", "ack.b.5.again"]);
     }
 }
