@@ -314,13 +314,10 @@ impl RunningService {
                 Err(_) => tracing::error!("shard set still referenced at shutdown"),
             }
         }
-        if let Err(e) = self.client.flush().await {
-            tracing::error!(error = %e, "final flush failed");
-        }
-        // A flush only hands the outputs to the socket. Closing a socket that holds unread input
-        // (events still arriving, anything the server sent) makes the kernel reset the connection
-        // and discard what it has not sent yet: the last outputs would be lost. The server's
-        // answer to a request sent now comes only once it has read everything before it.
+        // Not a flush: it only hands the outputs to the socket, and closing a socket that holds
+        // unread input (events still arriving, anything the server sent) makes the kernel reset
+        // the connection and discard what it has not sent yet. The server's answer to a request
+        // sent now comes only once it has read every output before it.
         round_trip(&self.client).await;
         if let Some(api) = self.api.take() {
             if let Err(e) = api.stop().await {
