@@ -658,6 +658,7 @@ async fn start_system(
     }
     match system {
         System::Paired => {
+            // `prefilled`: the stream (JetStream mode) was reset above, once for both.
             let service = Box::pin(start_system(System::Service, mode, config, admin, true)).await?;
             let relay = Box::pin(start_system(System::Relay, mode, config, admin, true)).await?;
             Ok(Running::Paired(Box::new(service), Box::new(relay)))
@@ -928,12 +929,9 @@ async fn collect(
     deadline: Instant,
 ) -> Collected {
     let events = workload.order.len();
-    // Flat numbering of what is expected: the relay's outputs (one per event) first.
-    let (relay_slots, service_offset) = match system {
-        System::Relay => (events, 0),
-        System::Service => (0, 0),
-        System::Paired => (events, events as u64),
-    };
+    // Flat numbering of what is expected: in a paired phase the relay's outputs (one per event)
+    // come first.
+    let service_offset = if system == System::Paired { events as u64 } else { 0 };
     let mut seen = vec![false; expected as usize];
     // Paired: when each event's relay output arrived, and each service output with its event.
     let mut relay_at = vec![0u64; if system == System::Paired { events } else { 0 }];
@@ -969,34 +967,32 @@ async fn collect(
             continue;
         }
         let (slot, g, relayed) = match arrival(&message, &workload) {
-            Some(Arrival::Relay { g }) if relay_slots > 0 => (g, g, true),
+            Some(Arrival::Relay { g }) if system != System::Service => (g, g, true),
             Some(Arrival::Service { slot, g }) if system != System::Relay => (service_offset + slot, g, false),
-            _ => {
-                c.unexpected += 1;
-                continue;
-            }
+            _ => (expected, 0, false),
         };
-        if slot >= expected || std::mem::replace(&mut seen[slot as usize], true) {
-            c.duplicates += u64::from(slot < expected);
-            c.unexpected += u64::from(slot >= expected);
+        let Some(seen) = seen.get_mut(slot as usize) else {
+            c.unexpected += 1;
+            continue;
+        };
+        if std::mem::replace(seen, true) {
+            c.duplicates += 1;
             continue;
         }
         c.valid += 1;
         c.last_ns = at;
-        if system == System::Paired {
-            if relayed {
-                relay_at[g as usize] = at;
-            } else {
-                service_at.push((at, g as u32));
-            }
-        }
         let t = sent[g as usize].load(Ordering::Acquire);
-        if t > 0 && at >= t {
-            if relayed && system == System::Paired {
-                c.relay_latencies.push(at - t);
-            } else {
-                c.latencies.push(at - t);
+        let latency = (t > 0 && at >= t).then(|| at - t);
+        match (system, relayed) {
+            (System::Paired, true) => {
+                relay_at[g as usize] = at;
+                c.relay_latencies.extend(latency);
             }
+            (System::Paired, false) => {
+                service_at.push((at, g as u32));
+                c.latencies.extend(latency);
+            }
+            _ => c.latencies.extend(latency),
         }
     }
     c.added = added_latency(&relay_at, &service_at);
