@@ -1262,12 +1262,15 @@ fn row(out: &mut String, p: &PhaseResult) {
     );
 }
 
+/// The median: for an even count, the mean of the two middle values (the upper one alone
+/// overstated two-round figures).
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 

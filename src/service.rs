@@ -592,8 +592,10 @@ impl NatsSink {
     /// Whether a JetStream stream stores output `subject`, from the JetStream API, remembered for
     /// [`CAPTURE_TTL`] (one entry per output subject, so bounded by the registered tags). A stream
     /// created for an output subject while the service runs is confirmed against within that
-    /// time; until then it stores those outputs without the service waiting for it.
-    async fn captured(&mut self, js: &async_nats::jetstream::Context, subject: &Arc<str>) -> bool {
+    /// time; until then it stores those outputs without the service waiting for it. False for
+    /// core NATS input (nothing is confirmed).
+    async fn captured(&mut self, subject: &Arc<str>) -> bool {
+        let Some(js) = self.confirm.as_ref() else { return false };
         let now = Instant::now();
         if let Some(&(captured, at)) = self.captures.get(subject) {
             if now.duration_since(at) < CAPTURE_TTL {
@@ -637,19 +639,17 @@ impl ShardSink for NatsSink {
     async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
         // JetStream mode confirms the storage of outputs that a stream stores; the others (core
         // subscribers only) are published plainly: their confirmation could only time out.
-        let confirm = match self.confirm.clone() {
-            Some(js) if self.captured(&js, &publication.subject).await => Some(js),
-            _ => None,
-        };
+        // (The context is borrowed, not cloned: a clone per output cost more than the lookup.)
+        let confirm = self.captured(&publication.subject).await;
         // Confirmations are kept per stream (taken before the id moves into the header).
         let stream_id: Option<Box<str>> =
-            confirm.as_ref().map(|_| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
+            confirm.then(|| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
         let (subject, mut headers, kind) = self.templates.prepared(&publication);
         headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
             headers.insert(name.clone(), value.clone());
         }
-        match confirm.zip(stream_id) {
+        match self.confirm.as_ref().zip(stream_id) {
             None => self.send(kind, subject, headers, publication.payload).await,
             Some((js, stream_id)) => {
                 let payload = publication.payload;

@@ -493,16 +493,15 @@ impl JetStreamSource {
                     self.open().await;
                 }
                 Some(Ok(message)) => {
+                    // Only pinned-client consumers carry a pin: others skip the header lookup.
+                    let Some(pinned) = self.pinned.as_mut() else { return Envelope::jetstream(message) };
                     let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
                     let envelope = Envelope::jetstream(message);
-                    match self.pinned.as_mut() {
-                        Some(pinned) if pin.is_some() && pin != pinned.pin => {
-                            pinned.pin = pin;
-                            pinned.revealed = Some(envelope);
-                        }
-                        Some(pinned) => return pinned.mark(envelope),
-                        None => return envelope,
+                    if pin.is_none() || pin == pinned.pin {
+                        return pinned.mark(envelope);
                     }
+                    pinned.pin = pin;
+                    pinned.revealed = Some(envelope);
                 }
                 Some(Err(e)) => {
                     // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
@@ -818,8 +817,10 @@ async fn own_tick(route: &mut Route) -> Instant {
 impl Envelope {
     fn jetstream(message: jetstream::Message) -> Envelope {
         let (sequence, delivered) = message.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
-        let ack = message.message.reply.clone();
-        let mut envelope = Envelope::core(message.message);
+        // Moved, not cloned: the message's own handle on the reply subject would only be dropped.
+        let mut message = message.message;
+        let ack = message.reply.take();
+        let mut envelope = Envelope::core(message);
         envelope.ack = ack;
         envelope.sequence = Some(sequence);
         envelope.redelivered = delivered > 1;
