@@ -54,7 +54,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
-use structured_sink::bus::{self, ConnectionEvent, NatsConfig};
+use structured_sink::bus::{self, round_trip, ConnectionEvent, NatsConfig};
 use structured_sink::codec::inbound::decode;
 use structured_sink::config::Config;
 use structured_sink::service::RunningService;
@@ -473,12 +473,6 @@ fn proc_status_kib(key: &str) -> u64 {
 
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
-}
-
-/// Waits until the server has processed everything this client sent before (SUB included).
-async fn round_trip(client: &async_nats::Client) {
-    let subject = format!("_BENCH.fence.{}", client.new_inbox().rsplit('.').next().unwrap_or("x"));
-    let _ = tokio::time::timeout(Duration::from_secs(5), client.request(subject, Bytes::new())).await;
 }
 
 /// A client with the service's own connection settings, counting slow-consumer events.

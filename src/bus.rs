@@ -16,5 +16,5 @@ mod connect;
 mod error;
 
 pub use config::{NatsConfig, TlsConfig, MASK};
-pub use connect::{connect, parse_server_version, server_version, ConnectionEvent};
+pub use connect::{connect, parse_server_version, round_trip, server_version, ConnectionEvent};
 pub use error::BusError;

@@ -26,7 +26,7 @@ use futures::StreamExt;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::bus::{self, BusError, ConnectionEvent};
+use crate::bus::{self, round_trip, BusError, ConnectionEvent};
 use crate::codec::outbound::Publication;
 use crate::config::Config;
 use crate::http::{self, Readiness};
@@ -327,20 +327,6 @@ impl RunningService {
         if let Some(status) = self.status.take() {
             status.abort();
         }
-    }
-}
-
-/// Waits until the server has answered a request sent now: every message it queued for this
-/// connection before has then been read (the connection is read in order). `Client::flush` only
-/// empties the local write buffer, so it cannot serve here. The subject has no subscribers; the
-/// server's immediate "no responders" reply is the answer.
-async fn round_trip(client: &async_nats::Client) {
-    let fence = format!("_STRUCTURED_SINK.fence.{}", client.new_inbox().rsplit('.').next().unwrap_or("x"));
-    match tokio::time::timeout(Duration::from_secs(2), client.request(fence, Bytes::new())).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "round trip through the server failed"),
-        Err(_) => tracing::warn!("round trip through the server timed out"),
     }
 }
 

@@ -264,6 +264,21 @@ pub fn parse_server_version(version: &str) -> Option<(u32, u32, u32)> {
     parts.next().is_none().then_some(version)
 }
 
+/// Waits until the server has answered a request sent now: it has then processed everything this
+/// client sent before (subscriptions, publishes), and every message it queued for this connection
+/// before has been read (each direction is in order). `Client::flush` only empties the local write
+/// buffer, so it cannot serve here. The subject has no subscribers; the server's immediate "no
+/// responders" reply is the answer. Gives up with a warning after 2 s.
+pub async fn round_trip(client: &async_nats::Client) {
+    let fence = format!("_STRUCTURED_SINK.fence.{}", client.new_inbox().rsplit('.').next().unwrap_or("x"));
+    match tokio::time::timeout(Duration::from_secs(2), client.request(fence, bytes::Bytes::new())).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) if e.kind() == async_nats::client::RequestErrorKind::NoResponders => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "round trip through the server failed"),
+        Err(_) => tracing::warn!("round trip through the server timed out"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
