@@ -88,7 +88,7 @@ struct Args {
     /// Only the service (or the relay) at maximum rate, `rounds` times, for a profiler or a
     /// counter of instructions; no report.
     profile: Option<System>,
-    /// `--mode jetstream`: `jetstream.max_ack_pending` (default: every event of the workload).
+    /// `--mode jetstream`: `jetstream.max_ack_pending` (default: the service's default).
     ack_pending: Option<i64>,
     /// The paced rate of the latency phases (default: half the service's maximum).
     rate: Option<f64>,
@@ -575,15 +575,16 @@ impl Running {
 
 /// JetStream mode: both systems consume the same fresh stream over `chat`; the service creates
 /// it from its configuration, the relay here.
-fn jetstream_config(config: &mut Config, workload_events: usize, ack_pending: Option<i64>) {
+fn jetstream_config(config: &mut Config, ack_pending: Option<i64>) {
     config.jetstream.enabled = true;
     config.jetstream.stream = JS_STREAM.into();
     config.jetstream.create_stream = true;
     config.jetstream.consumer_prefix = "bench-sink".into();
-    // The service holds a stream's acks until the stream ends, so every event of every open stream
-    // is pending: the limit must cover all of them or delivery stalls (see the report).
-    config.jetstream.max_ack_pending =
-        ack_pending.unwrap_or((workload_events as i64 + 10_000).max(config.jetstream.max_ack_pending));
+    // The service holds one ack per open stream (its first event), so the default limit covers
+    // any workload here: 100,000 against at most 1,000 open streams and a pull batch in flight.
+    if let Some(limit) = ack_pending {
+        config.jetstream.max_ack_pending = limit;
+    }
 }
 
 /// The stream over `chat` the relay creates and the backlog phase fills (the service creates the
@@ -1332,7 +1333,8 @@ fn report(
             out,
             "JetStream: a fresh stream `{JS_STREAM}` (file storage) over `{INPUT_SUBJECT}` per phase; the producer \
              publishes with core NATS (no publish acks). Service: `jetstream.enabled`, one durable pull consumer, \
-             explicit acks held until each stream ends, `jetstream.max_ack_pending` = {js_ack_pending}, \
+             explicit acks (each stream's first event held until the stream ends, the others acked once \
+             applied), `jetstream.max_ack_pending` = {js_ack_pending}, \
              `jetstream.pull_batch` = {js_pull_batch}. Relay: a durable \
              pull consumer with the same limit and pull batch that republishes each message and then acks it.\n"
         );
@@ -1645,7 +1647,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
     eprintln!("generating the workload and predicting the service's outputs ...");
     let workload = Arc::new(build_workload(args, &config)?);
     if args.mode == Mode::JetStream {
-        jetstream_config(&mut config, workload.order.len(), args.ack_pending);
+        jetstream_config(&mut config, args.ack_pending);
     }
     eprintln!(
         "{} events, {} MiB, {} expected outputs",

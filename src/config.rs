@@ -414,11 +414,13 @@ pub struct JetStreamConfig {
     /// Durable consumer names are `<consumer_prefix>-p<partition>` (or `<consumer_prefix>` without
     /// partitions).
     pub consumer_prefix: String,
-    /// How long the server waits for an ack before redelivering. Input is acknowledged when its
-    /// stream ends, so this must exceed the longest stream plus `shards.idle_timeout_ms`.
+    /// How long the server waits for an ack before redelivering. A stream's first event is
+    /// acknowledged when the stream ends, so this should exceed the longest stream plus
+    /// `shards.idle_timeout_ms` (a first event redelivered earlier is skipped as a duplicate).
     pub ack_wait_ms: u64,
-    /// Unacknowledged messages per consumer; delivery stalls at it. Must exceed the events of all
-    /// streams open at once in one partition.
+    /// Unacknowledged messages per consumer; delivery stalls at it. The service holds one per open
+    /// stream (its first event), so this must exceed the streams open at once in one partition
+    /// plus `pull_batch`.
     pub max_ack_pending: i64,
     /// Messages asked for in one pull request (a new request goes out when half have arrived).
     /// Larger batches cost the server less per message: 1000 instead of async-nats' 200 drained
@@ -452,8 +454,8 @@ impl Default for JetStreamConfig {
             create_stream: true,
             stream_replicas: 1,
             consumer_prefix: "structured-sink".into(),
-            // Acks are held until a stream ends: longer than the longest stream plus the idle
-            // timeout. Takeovers do not wait for it (consumers restart at their ack floor).
+            // A stream's first event is acknowledged when it ends: longer than the longest stream
+            // plus the idle timeout. Takeovers do not wait for it (consumers restart at their ack floor).
             ack_wait_ms: 600_000,
             max_ack_pending: 100_000,
             pull_batch: 1000,

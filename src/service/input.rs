@@ -10,10 +10,11 @@
 //! token modulo P, the token being the message id escaped with
 //! [`crate::codec::subject::escape_token`]. Both modes therefore agree on every id.
 //!
-//! JetStream: one durable pull consumer per owned partition, explicit acks, acked only once the
-//! event's stream has ended (see [`super::NatsSink`]). At start-up each consumer is recreated at
-//! its ack floor, so that everything not acknowledged is delivered again in stream order and the
-//! streams that were open when the previous owner stopped are rebuilt from their first event.
+//! JetStream: one durable pull consumer per owned partition, explicit acks; each stream's first
+//! event is acknowledged only once the stream has ended, which keeps the ack floor below every
+//! open stream (see `HeldAcks` in [`super`]). At start-up each consumer is recreated at its ack
+//! floor, so that everything above it is delivered again in stream order and the streams that were
+//! open when the previous owner stopped are rebuilt from their first event.
 //!
 //! JetStream with `jetstream.pinned_client` (server 2.11 or later): the partition consumers are
 //! shared by every replica through a pinned-client priority group, so they cannot be recreated at
@@ -211,7 +212,7 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 /// from the stream, in order, through an ephemeral ordered consumer, and only then goes on with the
 /// consumer's deliveries. A delivery at or below that sequence was rebuilt already: it is marked as
 /// a redelivery, so the table skips it by stream sequence (or, for a stream that has ended, the
-/// sink acknowledges it as delivered twice) and its ack is held like any other.
+/// sink acknowledges it as delivered twice) and its ack is taken like any other.
 struct Pinned {
     stream: stream::Stream,
     subject: String,

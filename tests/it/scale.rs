@@ -480,6 +480,68 @@ async fn jetstream_input_is_acknowledged_when_no_stream_stores_the_outputs() {
     assert_eq!(unacknowledged, 0, "every input acknowledged (the stream's last sequence is {last})");
 }
 
+/// The consumer's state for partition `partition` of `input`: (ack floor, acks pending,
+/// messages not yet delivered).
+async fn consumer_state(input: &jetstream::stream::Stream, partition: u32) -> (u64, usize, u64) {
+    let mut consumer: jetstream::consumer::PullConsumer =
+        input.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
+    let info = consumer.info().await.unwrap();
+    (info.ack_floor.stream_sequence, info.num_ack_pending, info.num_pending)
+}
+
+/// Polls `state` until `done` holds or a bound passes (not a timing assertion: a loaded machine
+/// may need long), and returns the last state.
+async fn settle<T, F: std::future::Future<Output = T>>(mut state: impl FnMut() -> F, done: impl Fn(&T) -> bool) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = state().await;
+        if done(&now) || Instant::now() >= deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Only the first event of an open stream stays unacknowledged: the ack floor stays below it (so
+/// a restart or takeover still reads the whole stream again), and a stream far longer than
+/// `max_ack_pending` flows. When every event of an open stream was held, delivery stalled once a
+/// partition's open streams had `max_ack_pending` events.
+#[tokio::test]
+async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let mut config = jetstream_config(&server.url());
+    config.partitions.count = 1;
+    config.jetstream.max_ack_pending = 8;
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = downstream(&js).await;
+    // Three streams of 40 deltas each, interleaved: stream sequences 1, 2, 3 are their first
+    // events. Streams 0 and 1 end; stream 2 stays open until its final, published last.
+    let events = conversation(3, 40);
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let (last_final, open_first) = (events.len() - 1, 3);
+    assert!(events[last_final].1.contains("final") && events[open_first - 1].0 == "msg-0002");
+    publish_inputs(&js, &events, 0..last_final).await;
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let open =
+        settle(|| consumer_state(&input, 0), |&(_, pending, undelivered)| pending == 1 && undelivered == 0).await;
+    assert_eq!(
+        open,
+        (open_first as u64 - 1, 1, 0),
+        "everything delivered; only the open stream's first event pending, the floor just below it"
+    );
+    publish_inputs(&js, &events, last_final..events.len()).await;
+    let last = events.len() as u64;
+    let ended = settle(|| consumer_state(&input, 0), |&(floor, _, _)| floor == last).await;
+    let got = read_all(&mut out, total).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(ended, (last, 0, 0), "every event acknowledged once its stream ended");
+    assert_eq!(got.len(), total);
+    assert_eq!(group(&got), expected);
+}
+
 /// The pin of each partition consumer's priority group: `None` while no replica is pinned.
 async fn pins(stream: &jetstream::stream::Stream) -> Vec<Option<String>> {
     let mut pins = Vec::new();
