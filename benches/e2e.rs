@@ -51,6 +51,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
+use async_nats::jetstream::stream::StorageType;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -98,12 +99,15 @@ struct Args {
     pull_batch: Option<usize>,
     /// Rates of the paired phases (`--paired RATE`, repeatable): relay and service at once.
     paired: Vec<f64>,
+    /// `--mode jetstream`: the storage of the input stream (`--storage file|memory`, default file).
+    storage: StorageType,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
+[--storage file|memory (jetstream; file)] \
 [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
@@ -127,6 +131,7 @@ fn parse_args() -> Result<Args> {
         open_streams: None,
         pull_batch: None,
         paired: Vec::new(),
+        storage: StorageType::File,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -157,6 +162,13 @@ fn parse_args() -> Result<Args> {
                     Some("core") => Mode::Core,
                     Some("jetstream") => Mode::JetStream,
                     other => bail!("--mode: {other:?} is not core or jetstream\n{USAGE}"),
+                }
+            }
+            "--storage" => {
+                args.storage = match it.next().map(String::as_str) {
+                    Some("file") => StorageType::File,
+                    Some("memory") => StorageType::Memory,
+                    other => bail!("--storage: {other:?} is not file or memory\n{USAGE}"),
                 }
             }
             "-h" | "--help" => {
@@ -588,11 +600,12 @@ fn jetstream_config(config: &mut Config, ack_pending: Option<i64>) {
 }
 
 /// The stream over `chat` the relay creates and the backlog phase fills (the service creates the
-/// same from its configuration when it does not exist).
-fn js_stream_config() -> async_nats::jetstream::stream::Config {
+/// same from its configuration when it does not exist and the storage is the default, file).
+fn js_stream_config(storage: StorageType) -> async_nats::jetstream::stream::Config {
     async_nats::jetstream::stream::Config {
         name: JS_STREAM.into(),
         subjects: vec![INPUT_SUBJECT.into()],
+        storage,
         ..Default::default()
     }
 }
@@ -609,11 +622,11 @@ const PREFILL_IN_FLIGHT: usize = 2048;
 /// fresh stream before the system under test starts, with every publish confirmed, so that a
 /// backlog phase measures how fast a system consumes stored events (catching up after an outage)
 /// apart from the cost of storing them.
-async fn prefill(admin: &async_nats::Client, workload: &Workload) -> Result<()> {
+async fn prefill(admin: &async_nats::Client, workload: &Workload, storage: StorageType) -> Result<()> {
     use async_nats::jetstream;
     delete_js_stream(admin).await;
     let js = jetstream::new(admin.clone());
-    let mut st = js.create_stream(js_stream_config()).await.map_err(|e| anyhow!("backlog stream: {e}"))?;
+    let mut st = js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("backlog stream: {e}"))?;
     let mut in_flight = std::collections::VecDeque::with_capacity(PREFILL_IN_FLIGHT);
     for &g in &workload.order {
         let mut headers = HeaderMap::new();
@@ -640,22 +653,28 @@ async fn prefill(admin: &async_nats::Client, workload: &Workload) -> Result<()> 
 }
 
 /// Starts the system under test. In JetStream mode the stream is deleted first (each phase gets a
-/// fresh one), unless `prefilled`: then both systems consume the backlog already stored in it.
+/// fresh one), unless `prefilled`: then both systems consume the backlog already stored in it. A
+/// memory stream is created here, before either system, since the service would create a file one.
 async fn start_system(
     system: System,
     mode: Mode,
+    storage: StorageType,
     config: &Config,
     admin: &async_nats::Client,
     prefilled: bool,
 ) -> Result<Running> {
     if mode == Mode::JetStream && !prefilled {
         delete_js_stream(admin).await;
+        if storage == StorageType::Memory {
+            let js = async_nats::jetstream::new(admin.clone());
+            js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("memory stream: {e}"))?;
+        }
     }
     match system {
         System::Paired => {
             // `prefilled`: the stream (JetStream mode) was reset above, once for both.
-            let service = Box::pin(start_system(System::Service, mode, config, admin, true)).await?;
-            let relay = Box::pin(start_system(System::Relay, mode, config, admin, true)).await?;
+            let service = Box::pin(start_system(System::Service, mode, storage, config, admin, true)).await?;
+            let relay = Box::pin(start_system(System::Relay, mode, storage, config, admin, true)).await?;
             Ok(Running::Paired(Box::new(service), Box::new(relay)))
         }
         System::Service => {
@@ -690,8 +709,10 @@ async fn start_system(
                 Mode::JetStream => {
                     use async_nats::jetstream::{self, consumer::pull};
                     let js = jetstream::new(client.clone());
-                    let st =
-                        js.get_or_create_stream(js_stream_config()).await.map_err(|e| anyhow!("relay stream: {e}"))?;
+                    let st = js
+                        .get_or_create_stream(js_stream_config(storage))
+                        .await
+                        .map_err(|e| anyhow!("relay stream: {e}"))?;
                     let consumer = st
                         .create_consumer(pull::Config {
                             durable_name: Some(JS_RELAY_CONSUMER.into()),
@@ -1023,7 +1044,7 @@ async fn run_phase(
     input: Input,
 ) -> Result<PhaseResult> {
     if input == Input::Backlog {
-        prefill(admin, workload).await?;
+        prefill(admin, workload, args.storage).await?;
     }
     // Subscribed before the system starts: draining a backlog, it publishes from its first moment.
     let service_out = format!("{INPUT_SUBJECT}.>");
@@ -1038,7 +1059,7 @@ async fn run_phase(
     round_trip(subscriber).await;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
     let started_ns = now_ns();
-    let running = start_system(system, args.mode, config, admin, input == Input::Backlog).await?;
+    let running = start_system(system, args.mode, args.storage, config, admin, input == Input::Backlog).await?;
 
     let events = workload.order.len() as u64;
     let expected = match system {
@@ -1147,7 +1168,7 @@ struct MemoryResult {
 
 async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) -> Result<MemoryResult> {
     let n = args.idle_streams;
-    let running = start_system(System::Service, Mode::Core, config, admin, false).await?;
+    let running = start_system(System::Service, Mode::Core, StorageType::File, config, admin, false).await?;
     let service = running.service().expect("a service");
     let producer = connect(&config.nats, "bench-idle-producer", Arc::new(AtomicU64::new(0))).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1329,9 +1350,13 @@ fn report(
     );
 
     if args.mode == Mode::JetStream {
+        let storage = match args.storage {
+            StorageType::Memory => "memory",
+            StorageType::File => "file",
+        };
         let _ = writeln!(
             out,
-            "JetStream: a fresh stream `{JS_STREAM}` (file storage) over `{INPUT_SUBJECT}` per phase; the producer \
+            "JetStream: a fresh stream `{JS_STREAM}` ({storage} storage) over `{INPUT_SUBJECT}` per phase; the producer \
              publishes with core NATS (no publish acks). Service: `jetstream.enabled`, one durable pull consumer, \
              explicit acks (each stream's first event held until the stream ends, the others acked once \
              applied), `jetstream.max_ack_pending` = {js_ack_pending}, \
