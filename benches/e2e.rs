@@ -39,7 +39,8 @@
 //!   per event, not a difference of two percentiles from two runs (the smoke run includes one).
 //! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
 //!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
-//!   producer runs on its own thread and client; the subscriber on another client.
+//!   producer runs on its own thread and client; the subscriber on another client, in the same
+//!   runtime as the system under test (one worker thread per CPU unless `--worker-threads`).
 //!
 //! Every loop is bounded in count and time; only 127.0.0.1 is used.
 
@@ -101,13 +102,16 @@ struct Args {
     paired: Vec<f64>,
     /// `--mode jetstream`: the storage of the input stream (`--storage file|memory`, default file).
     storage: StorageType,
+    /// Worker threads of the runtime that runs the system under test and the subscriber (default:
+    /// tokio's, one per CPU, as the service's own `main`).
+    worker_threads: Option<usize>,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
-[--storage file|memory (jetstream; file)] \
+[--storage file|memory (jetstream; file)] [--worker-threads N (one per CPU)] \
 [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
@@ -132,6 +136,7 @@ fn parse_args() -> Result<Args> {
         pull_batch: None,
         paired: Vec::new(),
         storage: StorageType::File,
+        worker_threads: None,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -157,6 +162,7 @@ fn parse_args() -> Result<Args> {
             "--open-streams" => args.open_streams = Some(number(a, it.next())?.max(1)),
             "--pull-batch" => args.pull_batch = Some(number(a, it.next())?.max(1)),
             "--paired" => args.paired.push(number(a, it.next())?.max(100) as f64),
+            "--worker-threads" => args.worker_threads = Some(number(a, it.next())?.max(1)),
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -1632,7 +1638,11 @@ fn main() -> Result<()> {
     }
     let wall = Instant::now();
     let server = NatsServer::start(args.mode == Mode::JetStream)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.worker_threads {
+        runtime.worker_threads(threads);
+    }
+    let rt = runtime.enable_all().build()?;
     let result = rt.block_on(run(&args, &server.url, wall));
     drop(rt);
     drop(server);
