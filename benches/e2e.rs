@@ -105,13 +105,16 @@ struct Args {
     /// Worker threads of the runtime that runs the system under test and the subscriber (default:
     /// tokio's, one per CPU, as the service's own `main`).
     worker_threads: Option<usize>,
+    /// How long the producer waits without any output before it stops a phase as stalled
+    /// (`--stall-seconds`, default 10; longer to watch whether a stalled system recovers).
+    stall: Duration,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
-[--storage file|memory (jetstream; file)] [--worker-threads N (one per CPU)] \
+[--storage file|memory (jetstream; file)] [--worker-threads N (one per CPU)] [--stall-seconds S (10)] \
 [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
@@ -137,6 +140,7 @@ fn parse_args() -> Result<Args> {
         paired: Vec::new(),
         storage: StorageType::File,
         worker_threads: None,
+        stall: Duration::from_secs(10),
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -163,6 +167,7 @@ fn parse_args() -> Result<Args> {
             "--pull-batch" => args.pull_batch = Some(number(a, it.next())?.max(1)),
             "--paired" => args.paired.push(number(a, it.next())?.max(100) as f64),
             "--worker-threads" => args.worker_threads = Some(number(a, it.next())?.max(1)),
+            "--stall-seconds" => args.stall = Duration::from_secs(number(a, it.next())?.max(1) as u64),
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -543,9 +548,6 @@ const EVENT_HEADER: &str = "Bench-Event";
 /// The JetStream stream both systems consume in `--mode jetstream`.
 const JS_STREAM: &str = "BENCH_CHAT";
 const JS_RELAY_CONSUMER: &str = "bench-relay";
-/// A phase stops when the producer has waited this long without any output arriving.
-const STALL: Duration = Duration::from_secs(10);
-
 /// Where a phase's events come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Input {
@@ -792,7 +794,13 @@ struct PhaseResult {
     /// producer thread, nats-server.
     cpu_per_event: [f64; 3],
     timed_out: bool,
+    /// The longest wait between two outputs of the phase, s: a stall the system recovered from
+    /// shows here (reported when over [`GAP_REPORTED`]).
+    longest_gap: f64,
 }
+
+/// Gaps between outputs longer than this are reported in a phase's row.
+const GAP_REPORTED: f64 = 1.0;
 
 /// A paired phase's added latency: each service output's receive time minus that of its event's
 /// relay output.
@@ -826,6 +834,7 @@ fn spawn_producer(
     sent: Arc<Vec<AtomicU64>>,
     received: Arc<AtomicU64>,
     deadline: Instant,
+    stall: Duration,
 ) -> std::thread::JoinHandle<Result<ProducerStats>> {
     let spawned = std::thread::Builder::new().name("bench-producer".into()).spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -843,17 +852,17 @@ fn spawn_producer(
                 };
                 if expect > received.load(Ordering::Acquire) + window {
                     client.flush().await?;
-                    // Stop early when nothing arrives for 10 s (a stalled system).
+                    // Stop early when nothing arrives for `stall` (a stalled system).
                     let (mut seen, mut since) = (received.load(Ordering::Acquire), Instant::now());
-                    while expect > seen + window && Instant::now() < deadline && since.elapsed() < STALL {
+                    while expect > seen + window && Instant::now() < deadline && since.elapsed() < stall {
                         std::thread::sleep(Duration::from_micros(100));
                         let now_seen = received.load(Ordering::Acquire);
                         if now_seen != seen {
                             (seen, since) = (now_seen, Instant::now());
                         }
                     }
-                    if since.elapsed() >= STALL {
-                        eprintln!("  no output for {} s: stopping this phase", STALL.as_secs());
+                    if since.elapsed() >= stall {
+                        eprintln!("  no output for {} s: stopping this phase", stall.as_secs());
                         aborted = true;
                         break;
                     }
@@ -905,6 +914,8 @@ struct Collected {
     /// event's relay output, ns.
     added: Vec<i64>,
     last_ns: u64,
+    /// The longest time between two consecutive outputs, ns.
+    longest_gap_ns: u64,
     valid: u64,
     duplicates: u64,
     unexpected: u64,
@@ -963,6 +974,7 @@ async fn collect(
         relay_latencies: Vec::new(),
         added: Vec::new(),
         last_ns: 0,
+        longest_gap_ns: 0,
         valid: 0,
         duplicates: 0,
         unexpected: 0,
@@ -1002,6 +1014,9 @@ async fn collect(
             continue;
         }
         c.valid += 1;
+        if c.last_ns > 0 {
+            c.longest_gap_ns = c.longest_gap_ns.max(at.saturating_sub(c.last_ns));
+        }
         c.last_ns = at;
         let t = sent[g as usize].load(Ordering::Acquire);
         let latency = (t > 0 && at >= t).then(|| at - t);
@@ -1073,8 +1088,9 @@ async fn run_phase(
         System::Service => workload.expected_outputs,
         System::Paired => events + workload.expected_outputs,
     };
-    // Generous but bounded: 60 s plus 50 µs per event.
-    let deadline = Instant::now() + Duration::from_secs(60) + Duration::from_micros(50 * events);
+    // Generous but bounded: 60 s (or the stall limit and 30 s more) plus 50 µs per event.
+    let base = Duration::from_secs(60).max(args.stall + Duration::from_secs(30));
+    let deadline = Instant::now() + base + Duration::from_micros(50 * events);
     let sent: Arc<Vec<AtomicU64>> = Arc::new((0..events).map(|_| AtomicU64::new(0)).collect());
     let received = Arc::new(AtomicU64::new(0));
     let producer_done = Arc::new(AtomicBool::new(false));
@@ -1101,6 +1117,7 @@ async fn run_phase(
                 sent.clone(),
                 received.clone(),
                 deadline,
+                args.stall,
             );
             tokio::task::spawn_blocking(move || producer.join()).await?.map_err(|_| anyhow!("producer panicked"))??
         }
@@ -1157,6 +1174,7 @@ async fn run_phase(
         rss_after_mib: mib(proc_status_kib("VmRSS:")),
         cpu_per_event,
         timed_out: collected.timed_out || stats.aborted,
+        longest_gap: collected.longest_gap_ns as f64 / 1e9,
     })
 }
 
@@ -1255,11 +1273,16 @@ impl PhaseResult {
 
 fn row(out: &mut String, p: &PhaseResult) {
     let rate = |r: f64| if p.complete() { fmt_rate(r) } else { "– (incomplete)".to_owned() };
+    let gap = if p.longest_gap > GAP_REPORTED {
+        format!(", **no output for {:.1} s once**", p.longest_gap)
+    } else {
+        String::new()
+    };
     let check = if p.complete() {
-        "ok".to_owned()
+        format!("ok{gap}")
     } else {
         format!(
-            "**{} missing, {} dup, {} unexpected, {} dlq{}**",
+            "**{} missing, {} dup, {} unexpected, {} dlq{}**{gap}",
             p.missing,
             p.duplicates,
             p.unexpected,
