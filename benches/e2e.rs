@@ -22,7 +22,7 @@
 //!   table indexed by event; a downstream subscriber on `chat.>` reads `Nats-Msg-Id:
 //!   <stream_id>:<seq>` of every output, finds the event that caused it, and records receive time
 //!   minus publish time. Every expected output is checked off exactly once (missing, duplicate
-//!   and unexpected outputs are reported). The relay forwards the producer's `Bench-Event: <index>`
+//!   and unexpected outputs are reported, and any wait of over a second between two outputs). The relay forwards the producer's `Bench-Event: <index>`
 //!   header unchanged, which identifies the event directly; the service never copies it.
 //! * Phases, each with a fresh system under test: idle-stream memory (service only, first, so that
 //!   freed workload memory cannot hide growth), then per round relay and service at maximum rate,
@@ -548,6 +548,7 @@ const EVENT_HEADER: &str = "Bench-Event";
 /// The JetStream stream both systems consume in `--mode jetstream`.
 const JS_STREAM: &str = "BENCH_CHAT";
 const JS_RELAY_CONSUMER: &str = "bench-relay";
+
 /// Where a phase's events come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Input {
