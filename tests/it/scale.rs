@@ -236,16 +236,26 @@ fn replica_command(url: &str, dir: &std::path::Path) -> Command {
     command
 }
 
-/// A downstream JetStream stream over every output subject, deduplicating by `Nats-Msg-Id`.
-async fn downstream(js: &jetstream::Context) -> jetstream::stream::Stream {
-    js.get_or_create_stream(jetstream::stream::Config {
-        name: "OUT".into(),
-        subjects: vec!["chat.filtered".into(), "chat.structured.>".into(), "chat.thinking".into(), "chat.tools".into()],
-        duplicate_window: Duration::from_secs(300),
-        ..Default::default()
-    })
-    .await
-    .unwrap()
+/// A client of `url`, its JetStream context, and a downstream JetStream stream over every output
+/// subject, deduplicating by `Nats-Msg-Id`.
+async fn downstream(url: &str) -> (async_nats::Client, jetstream::Context, jetstream::stream::Stream) {
+    let client = async_nats::connect(url).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let out = js
+        .get_or_create_stream(jetstream::stream::Config {
+            name: "OUT".into(),
+            subjects: vec![
+                "chat.filtered".into(),
+                "chat.structured.>".into(),
+                "chat.thinking".into(),
+                "chat.tools".into(),
+            ],
+            duplicate_window: Duration::from_secs(300),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    (client, js, out)
 }
 
 /// Waits until `stream` holds `total` messages (or a deadline), then reads every stored message
@@ -328,9 +338,7 @@ fn jetstream_config(url: &str) -> Config {
 #[tokio::test]
 async fn jetstream_survives_kill_9_of_the_replica() {
     let server = NatsServer::builder().config(mapping(8)).start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let mut out = downstream(&js).await;
+    let (_client, js, mut out) = downstream(&server.url()).await;
     let dir = tempfile::tempdir().unwrap();
     let mut replica = spawn_replica(&server.url(), dir.path());
 
@@ -374,9 +382,7 @@ async fn jetstream_server_restart(partitions: u32, shards: usize) {
     config.partitions.count = partitions;
     config.shards.count = shards;
     let service = RunningService::start(config).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let mut out = downstream(&js).await;
+    let (_client, js, mut out) = downstream(&server.url()).await;
     let events = conversation(200, 6);
     let expected = replayed(&test_config(&server.url()), &events);
     let total: usize = expected.values().map(Vec::len).sum();
@@ -511,9 +517,7 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
     config.partitions.count = 1;
     config.jetstream.max_ack_pending = 8;
     let service = RunningService::start(config).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let mut out = downstream(&js).await;
+    let (_client, js, mut out) = downstream(&server.url()).await;
     // Three streams of 40 deltas each, interleaved: stream sequences 1, 2, 3 are their first
     // events. Streams 0 and 1 end; stream 2 stays open until its final, published last.
     let events = conversation(3, 40);
@@ -575,9 +579,7 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
         assert!(js.get_stream("CHAT_RAW").await.is_err(), "nothing created before refusing");
         return;
     }
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let mut out = downstream(&js).await;
+    let (client, js, mut out) = downstream(&server.url()).await;
     let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
     client.flush().await.unwrap();
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
