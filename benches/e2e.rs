@@ -1134,6 +1134,12 @@ async fn run_phase(
     };
     producer_done.store(true, Ordering::Release);
     let mut collected = collector.await?;
+    if (collected.timed_out || stats.aborted) && args.mode == Mode::JetStream {
+        // Read before the system stops: whether the server still held a pull request
+        // (`num_waiting`) and had messages for it (`num_pending`) tells a lost pull request from a
+        // stuck client or a full ack window.
+        print_consumers(admin).await;
+    }
 
     let per_event = |us: u64| us as f64 / events.max(1) as f64;
     let cpu_per_event = [
@@ -1177,6 +1183,33 @@ async fn run_phase(
         timed_out: collected.timed_out || stats.aborted,
         longest_gap: collected.longest_gap_ns as f64 / 1e9,
     })
+}
+
+/// Prints each consumer of the bench stream as the server sees it (to stderr, beside the stall
+/// message); errors are printed, not returned: this is a diagnosis, not part of the run.
+async fn print_consumers(admin: &async_nats::Client) {
+    let js = async_nats::jetstream::new(admin.clone());
+    let stream = match js.get_stream(JS_STREAM).await {
+        Ok(stream) => stream,
+        Err(e) => return eprintln!("  consumers: stream {JS_STREAM}: {e}"),
+    };
+    let mut consumers = stream.consumers();
+    while let Some(info) = consumers.next().await {
+        match info {
+            Ok(i) => eprintln!(
+                "  consumer {}: delivered stream sequence {}, ack floor {}, pending {}, ack pending {}, \
+                 redelivered {}, waiting pull requests {}",
+                i.name,
+                i.delivered.stream_sequence,
+                i.ack_floor.stream_sequence,
+                i.num_pending,
+                i.num_ack_pending,
+                i.num_redelivered,
+                i.num_waiting
+            ),
+            Err(e) => eprintln!("  consumers: {e}"),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
