@@ -22,8 +22,10 @@
 //!   table indexed by event; a downstream subscriber on `chat.>` reads `Nats-Msg-Id:
 //!   <stream_id>:<seq>` of every output, finds the event that caused it, and records receive time
 //!   minus publish time. Every expected output is checked off exactly once (missing, duplicate
-//!   and unexpected outputs are reported, and any wait of over a second between two outputs). The relay forwards the producer's `Bench-Event: <index>`
-//!   header unchanged, which identifies the event directly; the service never copies it.
+//!   and unexpected outputs are reported, and any wait of over a second between two outputs; a
+//!   JetStream phase that stalls also prints each consumer as the server sees it). The relay
+//!   forwards the producer's `Bench-Event: <index>` header unchanged, which identifies the event
+//!   directly; the service never copies it.
 //! * Phases, each with a fresh system under test: idle-stream memory (service only, first, so that
 //!   freed workload memory cannot hide growth), then per round relay and service at maximum rate,
 //!   then service and relay paced at half the service's maximum rate. Maximum rate is a closed
