@@ -626,6 +626,16 @@ async fn delete_js_stream(admin: &async_nats::Client) {
     let _ = js.delete_stream(JS_STREAM).await;
 }
 
+/// Replaces the bench stream with an empty one of `storage`.
+async fn fresh_js_stream(
+    admin: &async_nats::Client,
+    storage: StorageType,
+) -> Result<async_nats::jetstream::stream::Stream> {
+    delete_js_stream(admin).await;
+    let js = async_nats::jetstream::new(admin.clone());
+    js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("stream {JS_STREAM}: {e}"))
+}
+
 /// Publish acknowledgements awaited at most at once while filling the stream.
 const PREFILL_IN_FLIGHT: usize = 2048;
 
@@ -635,9 +645,8 @@ const PREFILL_IN_FLIGHT: usize = 2048;
 /// apart from the cost of storing them.
 async fn prefill(admin: &async_nats::Client, workload: &Workload, storage: StorageType) -> Result<()> {
     use async_nats::jetstream;
-    delete_js_stream(admin).await;
+    let mut st = fresh_js_stream(admin, storage).await?;
     let js = jetstream::new(admin.clone());
-    let mut st = js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("backlog stream: {e}"))?;
     let mut in_flight = std::collections::VecDeque::with_capacity(PREFILL_IN_FLIGHT);
     for &g in &workload.order {
         let mut headers = HeaderMap::new();
@@ -675,10 +684,10 @@ async fn start_system(
     prefilled: bool,
 ) -> Result<Running> {
     if mode == Mode::JetStream && !prefilled {
-        delete_js_stream(admin).await;
         if storage == StorageType::Memory {
-            let js = async_nats::jetstream::new(admin.clone());
-            js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("memory stream: {e}"))?;
+            fresh_js_stream(admin, storage).await?;
+        } else {
+            delete_js_stream(admin).await;
         }
     }
     match system {
