@@ -168,8 +168,8 @@ impl RunningService {
                 .jetstream
                 .enabled
                 .then(|| async_nats::jetstream::ContextBuilder::new().timeout(CONFIRM_TIMEOUT).build(client.clone())),
-            captures: HashMap::new(),
-            unconfirmed: HashMap::new(),
+            captures: FastMap::default(),
+            unconfirmed: FastMap::default(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
             stopping: cancel.clone(),
@@ -356,9 +356,9 @@ pub struct NatsSink {
     /// that took it dies before passing it on to the stream's leader).
     confirm: Option<async_nats::jetstream::Context>,
     /// Whether a stream stores each output subject, and since when that is known.
-    captures: HashMap<Arc<str>, (bool, Instant)>,
+    captures: FastMap<Arc<str>, (bool, Instant)>,
     /// Storage confirmations not yet awaited, per open stream.
-    unconfirmed: HashMap<Box<str>, Vec<Unconfirmed>>,
+    unconfirmed: FastMap<Box<str>, Vec<Unconfirmed>>,
     /// The number of confirmations in `unconfirmed`.
     unconfirmed_total: usize,
     /// Open streams with an output whose storage was not confirmed before shutdown: their input
@@ -419,6 +419,12 @@ impl OutputTemplates {
     }
 }
 
+/// The sink's maps looked up per event or per output (held acks, unconfirmed outputs per stream,
+/// captured subjects), with the stream table's hasher (foldhash, seeded per process) instead of
+/// SipHash: hashing was about 450 instructions per JetStream event (callgrind over the bench),
+/// for keys the stream table already hashes the same way.
+type FastMap<K, V> = HashMap<K, V, hashlink::DefaultHashBuilder>;
+
 /// The JetStream acks held back until their stream ends: per open stream, its anchor, the
 /// lowest-sequence message applied here, with the reply subject of its latest delivery. Every
 /// other message of the stream is acknowledged as soon as it is applied.
@@ -435,7 +441,7 @@ impl OutputTemplates {
 /// is redelivered after messages this replica already anchored on) is held as well, so a stream
 /// holds a few entries at most, lowest last.
 #[derive(Default)]
-struct HeldAcks(HashMap<Box<str>, Vec<(u64, Subject)>>);
+struct HeldAcks(FastMap<Box<str>, Vec<(u64, Subject)>>);
 
 impl HeldAcks {
     /// Takes the ack of `stream_id`'s message at `sequence`: held when no lower message of the
@@ -513,8 +519,8 @@ impl Clone for NatsSink {
             templates: OutputTemplates::default(),
             held: HeldAcks::default(),
             confirm: self.confirm.clone(),
-            captures: HashMap::new(),
-            unconfirmed: HashMap::new(),
+            captures: FastMap::default(),
+            unconfirmed: FastMap::default(),
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
             stopping: self.stopping.clone(),

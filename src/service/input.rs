@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use super::{round_trip, Envelope, NatsSink, ServiceError};
 use crate::bus::BusError;
 use crate::codec::inbound::decode;
-use crate::codec::subject::{escape_token, partition_of};
+use crate::codec::subject::{ack_position, escape_token, partition_of};
 use crate::config::{Config, PartitionMode};
 use crate::metrics::DropReason;
 use crate::shard::worker::{Shard, ShardEvent, ShardSet};
@@ -817,10 +817,13 @@ async fn own_tick(route: &mut Route) -> Instant {
 
 impl Envelope {
     fn jetstream(message: jetstream::Message) -> Envelope {
-        let (sequence, delivered) = message.info().map(|i| (i.stream_sequence, i.delivered)).unwrap_or((0, 1));
         // Moved, not cloned: the message's own handle on the reply subject would only be dropped.
         let mut message = message.message;
         let ack = message.reply.take();
+        let (sequence, delivered) = ack
+            .as_deref()
+            .and_then(ack_position)
+            .map_or((0, 1), |position| (position.stream_sequence, position.delivered));
         let mut envelope = Envelope::core(message);
         envelope.ack = ack;
         envelope.sequence = Some(sequence);
