@@ -256,22 +256,15 @@ impl Block {
     /// string running off the end finds no closing quote). `None` when `at` is past the end.
     #[inline]
     fn from(bytes: &[u8], at: usize) -> Option<Block> {
-        if at >= bytes.len() {
-            return None;
-        }
-        if let Some(block) = Block::at(bytes, at) {
+        let rest = bytes.get(at..).filter(|rest| !rest.is_empty())?;
+        if let Some(block) = Block::at(rest, 0) {
             return Some(block);
         }
-        // Fewer than sixty-four left: the payload's last sixty-four, shifted, or for a payload
-        // shorter than that, its bytes after white space (which is no stop).
-        Some(match bytes.len().checked_sub(64) {
-            Some(last) => Block::at(bytes, last)?.shifted(at - last),
-            None => {
-                let mut padded = [b' '; 64];
-                padded[..bytes.len() - at].copy_from_slice(&bytes[at..]);
-                Block::at(&padded, 0)?
-            }
-        })
+        // Fewer than sixty-four left (once per string at most): they, then white space, which is
+        // no stop.
+        let mut padded = [b' '; 64];
+        padded[..rest.len()].copy_from_slice(rest);
+        Block::at(&padded, 0)
     }
 
     #[inline]
@@ -285,10 +278,6 @@ impl Block {
             block.controls |= u64::from(chunk.below(0x20)) << (16 * i);
         }
         Some(block)
-    }
-
-    fn shifted(self, by: usize) -> Block {
-        Block { quotes: self.quotes >> by, backslashes: self.backslashes >> by, controls: self.controls >> by }
     }
 }
 
