@@ -809,6 +809,9 @@ struct PhaseResult {
     /// The longest wait between two outputs of the phase, s: a stall the system recovered from
     /// shows here (reported when over [`GAP_REPORTED`]).
     longest_gap: f64,
+    /// From the phase's start to the first output, s (a backlog phase's start includes the
+    /// system's start-up).
+    first_output: f64,
 }
 
 /// Gaps between outputs longer than this are reported in a phase's row.
@@ -928,6 +931,8 @@ struct Collected {
     last_ns: u64,
     /// The longest time between two consecutive outputs, ns.
     longest_gap_ns: u64,
+    /// When the first valid output arrived (0: none).
+    first_ns: u64,
     valid: u64,
     duplicates: u64,
     unexpected: u64,
@@ -987,6 +992,7 @@ async fn collect(
         added: Vec::new(),
         last_ns: 0,
         longest_gap_ns: 0,
+        first_ns: 0,
         valid: 0,
         duplicates: 0,
         unexpected: 0,
@@ -1028,6 +1034,8 @@ async fn collect(
         c.valid += 1;
         if c.last_ns > 0 {
             c.longest_gap_ns = c.longest_gap_ns.max(at.saturating_sub(c.last_ns));
+        } else {
+            c.first_ns = at;
         }
         c.last_ns = at;
         let t = sent[g as usize].load(Ordering::Acquire);
@@ -1193,6 +1201,7 @@ async fn run_phase(
         cpu_per_event,
         timed_out: collected.timed_out || stats.aborted,
         longest_gap: collected.longest_gap_ns as f64 / 1e9,
+        first_output: collected.first_ns.saturating_sub(stats.first_ns) as f64 / 1e9,
     })
 }
 
@@ -1882,7 +1891,12 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
                         Input::Backlog,
                     )
                     .await?;
-                    eprintln!("  {} events/s", p.in_rate.round());
+                    eprintln!(
+                        "  {} events/s (first output after {:.0} ms, longest wait between outputs {:.0} ms)",
+                        p.in_rate.round(),
+                        p.first_output * 1e3,
+                        p.longest_gap * 1e3
+                    );
                     anyhow::Ok(p)
                 }
             };
