@@ -50,8 +50,14 @@ pub trait ShardSink: Send + 'static {
     /// The event's input sequence, when its input has one (for duplicate detection).
     fn sequence(&self, envelope: &Self::Envelope) -> Option<u64>;
     /// The event was applied to `stream_id` (or was a duplicate of one applied): its outputs are
-    /// published. The sink may hold the envelope (to acknowledge it when the stream ends).
-    fn applied(&mut self, stream_id: &str, envelope: Self::Envelope) -> impl Future<Output = ()> + Send;
+    /// published. The sink may hold the envelope (to acknowledge it when the stream ends);
+    /// `standing` says whether it can be the lowest input of its stream.
+    fn applied(
+        &mut self,
+        stream_id: &str,
+        envelope: Self::Envelope,
+        standing: Standing,
+    ) -> impl Future<Output = ()> + Send;
     /// The stream ended and its last outputs are published.
     fn stream_closed(&mut self, stream_id: &str) -> impl Future<Output = ()> + Send;
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
@@ -61,6 +67,19 @@ pub trait ShardSink: Send + 'static {
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats);
     /// Makes sure everything published so far has left the process.
     fn flush(&mut self) -> impl Future<Output = ()> + Send;
+}
+
+/// Where an applied event stands among the inputs of its stream, as far as this shard knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Standing {
+    /// It opened its stream here.
+    Opened,
+    /// It followed inputs of its open stream applied here; its input sequence, when it has one,
+    /// is above all of theirs. A sink holding a stream's lowest input back need not look at it.
+    Following,
+    /// It repeats an input its stream already applied (a redelivery: its input sequence is not
+    /// above the last one applied); it may be lower than any of them.
+    Duplicate,
 }
 
 /// One shard: its streams, the sink their outputs go to, and its expiry tick.
@@ -96,7 +115,11 @@ impl<S: ShardSink> Shard<S> {
     pub async fn apply(&mut self, event: &InboundEvent<'_>, envelope: S::Envelope, now: Instant) {
         let Shard { index, table, sink, outputs, .. } = self;
         let sequence = sink.sequence(&envelope);
-        let opened = &mut |span: &tracing::Span| sink.stream_opened(span, &envelope);
+        let mut opening = false;
+        let opened = &mut |span: &tracing::Span| {
+            opening = true;
+            sink.stream_opened(span, &envelope);
+        };
         // A bug must cost one stream, not the shard: a panic while applying an event discards that
         // stream's (possibly half-updated) state and dead-letters the event, and the shard goes on
         // with its other streams. Outputs the event had produced are dropped with it.
@@ -104,11 +127,16 @@ impl<S: ShardSink> Shard<S> {
             table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
         }));
         match applied {
-            Ok(Disposition::Applied | Disposition::Duplicate) => {
+            Ok(disposition @ (Disposition::Applied | Disposition::Duplicate)) => {
+                let standing = match disposition {
+                    Disposition::Duplicate => Standing::Duplicate,
+                    _ if opening => Standing::Opened,
+                    _ => Standing::Following,
+                };
                 for p in outputs.drain(..) {
                     sink.publish(p, Some(&envelope)).await;
                 }
-                sink.applied(&event.stream.stream_id, envelope).await;
+                sink.applied(&event.stream.stream_id, envelope, standing).await;
             }
             Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
@@ -344,10 +372,13 @@ mod tests {
             self.0.lock().unwrap().push(format!("dead {envelope} {reason}"));
         }
         fn stream_opened(&mut self, _: &tracing::Span, _: &u32) {}
-        fn sequence(&self, _: &u32) -> Option<u64> {
-            None
+        /// The envelope's number is its input sequence.
+        fn sequence(&self, envelope: &u32) -> Option<u64> {
+            Some(u64::from(*envelope))
         }
-        async fn applied(&mut self, _: &str, _: u32) {}
+        async fn applied(&mut self, id: &str, envelope: u32, standing: Standing) {
+            self.0.lock().unwrap().push(format!("applied {id} {envelope} {standing:?}"));
+        }
         async fn stream_closed(&mut self, id: &str) {
             self.0.lock().unwrap().push(format!("closed {id}"));
         }
@@ -442,6 +473,43 @@ mod tests {
         assert_eq!(good.len(), 3, "the other stream is untouched: {log:?}");
         assert!(log.contains(&"closed good".to_owned()));
         assert!(!log.iter().any(|l| l.contains(" bad:2 ")), "nothing of the failed event is published: {log:?}");
+    }
+
+    #[tokio::test]
+    async fn each_applied_event_is_told_whether_it_opened_followed_or_repeated() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(60)), log.clone()));
+        let delta = |id: &str, sequence| {
+            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"d "}}"#), sequence)
+        };
+        let fin =
+            |id: &str, sequence| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), sequence);
+        for routed in [
+            delta("a", 10),
+            delta("a", 11),
+            delta("b", 12),
+            delta("a", 11), // a redelivery of the last one applied
+            delta("a", 7),  // lower than any applied: a redelivery from before a takeover
+            delta("a", 13),
+            fin("a", 14),
+            fin("c", 15), // opens and ends its stream at once
+        ] {
+            set.route(routed).await.unwrap();
+        }
+        set.shutdown().await;
+        let applied: Vec<String> =
+            log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect();
+        let expected = [
+            "a 10 Opened",
+            "a 11 Following",
+            "b 12 Opened",
+            "a 11 Duplicate",
+            "a 7 Duplicate",
+            "a 13 Following",
+            "a 14 Following",
+            "c 15 Opened",
+        ];
+        assert_eq!(applied, expected.map(|e| format!("applied {e}")));
     }
 
     #[test]
