@@ -4,8 +4,8 @@
 //! settings ([`NatsConfig`], with secrets masked for printing), building an `async_nats`
 //! client from them ([`connect`]: authentication of each kind, TLS, reconnect backoff, buffer
 //! sizes), turning the client's connection events into our own [`ConnectionEvent`] (logged
-//! here, counted by whoever passes the callback), and the errors of this boundary
-//! ([`BusError`]).
+//! here, counted by whoever passes the callback), header values built without async-nats'
+//! per-character scan ([`header_value`]), and the errors of this boundary ([`BusError`]).
 //!
 //! It does not know about the domain: no geppetto events, streams, subjects of the product or
 //! protobuf. Callers (the service) decide what to subscribe to and what to publish; this module
@@ -14,7 +14,9 @@
 mod config;
 mod connect;
 mod error;
+mod header;
 
 pub use config::{NatsConfig, TlsConfig, MASK};
 pub use connect::{connect, parse_server_version, round_trip, server_version, ConnectionEvent};
 pub use error::BusError;
+pub use header::header_value;

@@ -650,7 +650,15 @@ impl ShardSink for NatsSink {
         let stream_id: Option<Box<str>> =
             confirm.then(|| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
         let (subject, mut headers, kind) = self.templates.prepared(&publication);
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, publication.msg_id);
+        // The id is the stream id (checked for control characters when its event was decoded)
+        // and a number, so it never holds a line break; were it to, the output is reported and
+        // dropped rather than published with a forged header or a panic.
+        let Some(msg_id) = bus::header_value(publication.msg_id) else {
+            self.metrics.count_publish_error(kind);
+            tracing::error!(%subject, "publish failed: the output's message id holds a line break");
+            return;
+        };
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
             headers.insert(name.clone(), value.clone());
         }
