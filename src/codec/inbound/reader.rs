@@ -256,6 +256,30 @@ struct Block {
     quotes: u64,
     backslashes: u64,
     controls: u64,
+    /// What the block's bytes may be after a backslash, for blocks with one: made by the AVX2
+    /// blocks only (the chunk blocks leave the escapes to be checked one by one).
+    classes: Option<EscapeClasses>,
+}
+
+/// Which bytes of a block may follow a backslash, as masks like a block's (bit `i` for byte `i`),
+/// so that a block's escapes are checked by a few word operations instead of a branch per
+/// escape: the kind of each escape (a plain one or `\u`) is as unpredictable as the text, and
+/// those branches' mispredictions took about half of the block loop's time (CPU-clock samples
+/// over the bench, nineteenth session).
+#[derive(Clone, Copy)]
+struct EscapeClasses {
+    /// `"`, `\`, `/`, `b`, `f`, `n`, `r`, `t` and `u`.
+    escape: u64,
+    /// `u`.
+    unicode: u64,
+    /// Hex digits.
+    hex: u64,
+}
+
+impl EscapeClasses {
+    fn shifted(self, shift: usize) -> EscapeClasses {
+        EscapeClasses { escape: self.escape >> shift, unicode: self.unicode >> shift, hex: self.hex >> shift }
+    }
 }
 
 impl Block {
@@ -279,6 +303,7 @@ impl Block {
                 quotes: block.quotes >> shift,
                 backslashes: block.backslashes >> shift,
                 controls: block.controls >> shift,
+                classes: block.classes.map(|classes| classes.shifted(shift)),
             });
         }
         // A payload shorter than a block: its bytes, then white space, which is no stop.
@@ -308,7 +333,7 @@ impl Blocks for ChunkBlocks {
         let bytes = bytes.get(at..at + 64)?;
         let chunk = |i: usize| Chunk::at(bytes, 16 * i);
         let chunks = [chunk(0)?, chunk(1)?, chunk(2)?, chunk(3)?];
-        let mut block = Block { quotes: 0, backslashes: 0, controls: 0 };
+        let mut block = Block { quotes: 0, backslashes: 0, controls: 0, classes: None };
         for (i, chunk) in chunks.iter().enumerate() {
             block.quotes |= u64::from(chunk.equal(b'"')) << (16 * i);
             block.backslashes |= u64::from(chunk.equal(b'\\')) << (16 * i);
@@ -351,20 +376,78 @@ impl Blocks for Avx2Blocks {
             quotes: equal(low, b'"') | equal(high, b'"') << 32,
             backslashes: equal(low, b'\\') | equal(high, b'\\') << 32,
             controls: 0,
+            classes: None,
         };
         if control(cpu.avx2._mm256_min_epu8(low, high)) != 0 {
             block.controls = control(low) | control(high) << 32;
         }
+        if block.backslashes != 0 {
+            // Each byte's classes, as the classes of its low nibble and of its high nibble ANDed
+            // (one table lookup each, `vpshufb`): see [`NIBBLE_CLASSES`].
+            let table = |nibbles: [u8; 16]| pulp::cast::<[[u8; 16]; 2], __m256i>([nibbles, nibbles]);
+            let (low_table, high_table) = (table(NIBBLE_CLASSES.0), table(NIBBLE_CLASSES.1));
+            let nibble = splat(0x0f);
+            let classes = |half: __m256i| {
+                let low_nibbles = cpu.avx2._mm256_and_si256(half, nibble);
+                let high_nibbles = cpu.avx2._mm256_and_si256(cpu.avx2._mm256_srli_epi16::<4>(half), nibble);
+                cpu.avx2._mm256_and_si256(
+                    cpu.avx2._mm256_shuffle_epi8(low_table, low_nibbles),
+                    cpu.avx2._mm256_shuffle_epi8(high_table, high_nibbles),
+                )
+            };
+            let (low, high) = (classes(low), classes(high));
+            // The bytes with any of `bits` (those whose `classes & bits` is not zero).
+            let any = |classes: __m256i, bits: u8| {
+                let none = cpu.avx2._mm256_cmpeq_epi8(cpu.avx2._mm256_and_si256(classes, splat(bits)), splat(0));
+                u64::from(!(cpu.avx2._mm256_movemask_epi8(none) as u32))
+            };
+            let mask = |bits: u8| any(low, bits) | any(high, bits) << 32;
+            block.classes =
+                Some(EscapeClasses { escape: mask(CLASS_ESCAPE), unicode: mask(CLASS_UNICODE), hex: mask(CLASS_HEX) });
+        }
         Some(block)
     }
 }
+
+/// A byte's escape classes (bits of `CLASS_*`) are those of its low nibble's entry in the first
+/// table ANDed with those of its high nibble's entry in the second: each class bit stands for a
+/// set of high nibbles times a set of low nibbles, and the classes are unions of such bits.
+///
+/// | bit | bytes | high nibbles | low nibbles |
+/// |---|---|---|---|
+/// | 0x01 | `"` `/` | 2 | 2, F |
+/// | 0x02 | `\` | 5 | C |
+/// | 0x04 | `b` `f` `n` | 6 | 2, 6, E |
+/// | 0x08 | `r` `t` `u` | 7 | 2, 4, 5 |
+/// | 0x10 | `u` | 7 | 5 |
+/// | 0x20 | `0` to `9` | 3 | 0 to 9 |
+/// | 0x40 | `A` to `F`, `a` to `f` | 4, 6 | 1 to 6 |
+///
+/// Bytes from 0x80 have high nibbles 8 to F, whose entries are empty.
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_CLASSES: ([u8; 16], [u8; 16]) = (
+    [0x20, 0x60, 0x6d, 0x60, 0x68, 0x78, 0x64, 0x20, 0x20, 0x20, 0x00, 0x00, 0x02, 0x00, 0x04, 0x01],
+    [0x00, 0x00, 0x01, 0x20, 0x40, 0x02, 0x44, 0x18, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00],
+);
+/// What may follow a backslash.
+#[cfg(target_arch = "x86_64")]
+const CLASS_ESCAPE: u8 = 0x0f;
+/// `u`.
+#[cfg(target_arch = "x86_64")]
+const CLASS_UNICODE: u8 = 0x10;
+/// Hex digits.
+#[cfg(target_arch = "x86_64")]
+const CLASS_HEX: u8 = 0x60;
 
 /// The closing quote of a string with escapes, from `base` (where no backslash escapes the first
 /// byte): blocks of sixty-four bytes, by AVX2 where the CPU has it. Such strings are most of what
 /// an event holds (the cumulative `completion`/`text` of model text, which grows with the
 /// answer), so the wider comparisons pay: with them and the skipped control-character masks,
 /// callgrind counted decoding at 4,963 instructions per event of the bench workload instead of
-/// 5,677, and at 9,431 instead of 12,161 with 1,500-event streams.
+/// 5,677, and at 9,431 instead of 12,161 with 1,500-event streams. The AVX2 blocks also class
+/// their bytes ([`EscapeClasses`]), which checks a block's escapes without a branch each: a few
+/// more instructions (5,076 per event), a quarter less time in this loop with 1,500-event streams
+/// (CPU-clock samples, BENCHMARKS.md, nineteenth session).
 fn escaped_string_end(bytes: &[u8], base: usize) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
     if let Some(cpu) = pulp::x86::V3::try_new() {
@@ -388,28 +471,63 @@ fn escaped_string_end_by(bytes: &[u8], mut base: usize, blocks: impl Blocks) -> 
         if block.controls & before_end != 0 {
             return None;
         }
-        let mut escapes = escaped & before_end;
-        while escapes != 0 {
-            let at = base + escapes.trailing_zeros() as usize;
-            match ESCAPES[usize::from(*bytes.get(at)?)] {
-                Escape::Single => {}
-                // Go writes `<`, `>` and `&` as `\u003c`, `\u003e` and `\u0026`. Hex digits are no
-                // stop, so they cannot have disturbed the block's masks.
-                Escape::Unicode => {
-                    let digits = bytes.get(at + 1..at + 5)?;
-                    if !digits.iter().all(|&d| HEX_DIGITS[usize::from(d)]) {
-                        return None;
-                    }
-                }
-                Escape::Invalid => return None,
+        let escapes = escaped & before_end;
+        if escapes != 0 {
+            match block.classes {
+                Some(classes) => escapes_valid_by_masks(bytes, base, escapes, classes)?,
+                None => escapes_valid(bytes, base, escapes)?,
             }
-            escapes &= escapes - 1;
         }
         if ends != 0 {
             return Some(base + ends.trailing_zeros() as usize);
         }
         base += 64;
     }
+}
+
+/// Checks the escapes of the block at `base` one by one: `escapes` has bit `i` set when byte
+/// `base + i` follows an escaping backslash. `None` when one is not what serde accepts.
+#[inline(always)]
+fn escapes_valid(bytes: &[u8], base: usize, mut escapes: u64) -> Option<()> {
+    while escapes != 0 {
+        let at = base + escapes.trailing_zeros() as usize;
+        match ESCAPES[usize::from(*bytes.get(at)?)] {
+            Escape::Single => {}
+            // Go writes `<`, `>` and `&` as `\u003c`, `\u003e` and `\u0026`. Hex digits are no
+            // stop, so they cannot have disturbed the block's masks.
+            Escape::Unicode => {
+                let digits = bytes.get(at + 1..at + 5)?;
+                if !digits.iter().all(|&d| HEX_DIGITS[usize::from(d)]) {
+                    return None;
+                }
+            }
+            Escape::Invalid => return None,
+        }
+        escapes &= escapes - 1;
+    }
+    Some(())
+}
+
+/// [`escapes_valid`] by the block's class masks: every escaped byte may follow a backslash, and
+/// the four bytes after each `u` are hex digits. Bytes past the end of the payload are in no
+/// class (the masks of a shifted last block have no bits there; a padded short payload is padded
+/// with spaces), so an escape or digits cut off by the end are refused, as they are one by one.
+/// Only a `\u` in the block's last four bytes, whose digits run into the next block, is checked
+/// one by one.
+#[inline(always)]
+fn escapes_valid_by_masks(bytes: &[u8], base: usize, escapes: u64, classes: EscapeClasses) -> Option<()> {
+    if escapes & !classes.escape != 0 {
+        return None;
+    }
+    let unicode = escapes & classes.unicode;
+    if unicode != 0 {
+        let digits = unicode << 1 | unicode << 2 | unicode << 3 | unicode << 4;
+        if digits & !classes.hex != 0 {
+            return None;
+        }
+        escapes_valid(bytes, base, unicode & !(u64::MAX >> 4))?;
+    }
+    Some(())
 }
 
 /// The bytes escaped by a backslash (the one after each run of an odd number of them, and every
@@ -961,7 +1079,7 @@ mod tests {
     /// nothing past the end, whichever instructions made them.
     #[test]
     fn blocks_from_any_position_match_a_byte_by_byte_scan() {
-        let plain = b"ab\"cd\\efghijklmnopq\"rstuvwxyz0123 456789ABCDEF\"\\\\ \xc3\xa9 \x7f\xff".repeat(3);
+        let plain = b"ab\"cd\\efghijklmnopq\"rstuvwxyz0123 456789ABCDEFG/@`\"\\\\ \xc3\xa9 \x7f\xff".repeat(3);
         let mut with_controls = plain.clone();
         for at in [3, 31, 32, 40, 63, 64, 65, 100, 127, 150] {
             with_controls[at] = [0x00, b'\n', 0x1f, b'\t'][at % 4];
@@ -980,10 +1098,47 @@ mod tests {
                         assert_eq!(block.quotes, mask(bytes, at, |b| b == b'"'), "quotes, {context}");
                         assert_eq!(block.backslashes, mask(bytes, at, |b| b == b'\\'), "backslashes, {context}");
                         assert_eq!(block.controls, mask(bytes, at, |b| b < 0x20), "controls, {context}");
+                        if let Some(classes) = block.classes {
+                            assert_eq!(classes.escape, mask(bytes, at, may_follow_a_backslash), "escapes, {context}");
+                            assert_eq!(classes.unicode, mask(bytes, at, |b| b == b'u'), "unicode, {context}");
+                            assert_eq!(classes.hex, mask(bytes, at, |b| b.is_ascii_hexdigit()), "hex, {context}");
+                        }
+                        // The AVX2 blocks class the bytes of every block with a backslash (a shifted
+                        // last block may have lost its backslashes and kept its classes).
+                        if name == "avx2" && block.backslashes != 0 {
+                            assert!(block.classes.is_some(), "classes made, {context}");
+                        }
                     }
                 }
             }
         });
+    }
+
+    /// What may follow a backslash in a JSON string.
+    fn may_follow_a_backslash(b: u8) -> bool {
+        matches!(b, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' | b'u')
+    }
+
+    /// The nibble tables class every byte value as a byte-by-byte test does: a block of a
+    /// backslash and sixty-three copies of the value, for each of the 256 values.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn escape_classes_of_every_byte_value_match_a_byte_by_byte_test() {
+        let Some(cpu) = pulp::x86::V3::try_new() else {
+            eprintln!("this CPU has no AVX2: the escape classes are not made here");
+            return;
+        };
+        for value in 0..=255u8 {
+            let mut bytes = [value; 64];
+            bytes[0] = b'\\';
+            let block = cpu.vectorize(|| Block::from(&bytes, 0, Avx2Blocks(cpu))).unwrap();
+            let classes = block.classes.expect("a block with a backslash is classed");
+            let all_but_first = |class: bool| if class { u64::MAX << 1 } else { 0 };
+            let context = format!("byte {value:#04x}");
+            assert_eq!(classes.escape >> 1 << 1, all_but_first(may_follow_a_backslash(value)), "escape, {context}");
+            assert_eq!(classes.unicode >> 1 << 1, all_but_first(value == b'u'), "unicode, {context}");
+            assert_eq!(classes.hex >> 1 << 1, all_but_first(value.is_ascii_hexdigit()), "hex, {context}");
+        }
     }
 
     /// The closing quote of strings with escapes, from every start and with a bad byte or escape
@@ -1007,9 +1162,14 @@ mod tests {
         }
         let content = r#"ab\u003cc\n\\\"d\\\\e\/\t caf\u00e9 "#.repeat(5);
         let mut payloads = Vec::new();
-        for bad in ["", "\x01", "\n", "\\x", "\\u00g0", "\\u00", "\\", "\"", "\\\\", "\\\""] {
+        let bad = ["", "\x01", "\n", "\\x", "\\u00g0", "\\u00", "\\", "\"", "\\\\", "\\\""];
+        let more =
+            ["\\U0041", "\\u0A1f", "\\uFFFF", "\\u00G0", "\\u:000", "\\u123", "\\u000g", "\\a", "\\é", "\\u\\u0041"];
+        for bad in bad.iter().chain(&more) {
             for cut in 0..=content.len() {
                 payloads.push(format!(r#""{}{bad}{}","next":1}}"#, &content[..cut], &content[cut..]));
+                // Cut off by the end of the payload.
+                payloads.push(format!(r#""{}{bad}"#, &content[..cut]));
             }
         }
         for payload in &payloads {
