@@ -41,8 +41,10 @@
 //!   per event, not a difference of two percentiles from two runs (the smoke run includes one).
 //! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
 //!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
-//!   producer runs on its own thread and client; the subscriber on another client, in the same
-//!   runtime as the system under test (one worker thread per CPU unless `--worker-threads`).
+//!   producer runs on its own thread and client, and so does the subscriber: the runtime of the
+//!   system under test (one worker thread per CPU unless `--worker-threads`) runs nothing else,
+//!   so its CPU time is the system's own, and the subscriber's parsing of what the system
+//!   publishes (three headers per service output, one per relay output) is the load generator's.
 //!
 //! Every loop is bounded in count and time; only 127.0.0.1 is used.
 
@@ -104,8 +106,8 @@ struct Args {
     paired: Vec<f64>,
     /// `--mode jetstream`: the storage of the input stream (`--storage file|memory`, default file).
     storage: StorageType,
-    /// Worker threads of the runtime that runs the system under test and the subscriber (default:
-    /// tokio's, one per CPU, as the service's own `main`).
+    /// Worker threads of the runtime that runs the system under test (default: tokio's, one per
+    /// CPU, as the service's own `main`).
     worker_threads: Option<usize>,
     /// How long the producer waits without any output before it stops a phase as stalled
     /// (`--stall-seconds`, default 10; longer to watch whether a stalled system recovers).
@@ -802,9 +804,9 @@ struct PhaseResult {
     service_published: Option<u64>,
     inbox_full: Option<u64>,
     rss_after_mib: f64,
-    /// CPU µs per input event: tokio workers (the system under test and the subscriber), the
-    /// producer thread, nats-server.
-    cpu_per_event: [f64; 3],
+    /// CPU µs per input event: tokio workers (the system under test), the producer thread,
+    /// nats-server, the subscriber thread.
+    cpu_per_event: [f64; 4],
     timed_out: bool,
     /// The longest wait between two outputs of the phase, s: a stall the system recovered from
     /// shows here (reported when over [`GAP_REPORTED`]).
@@ -965,6 +967,60 @@ fn arrival(message: &async_nats::Message, workload: &Workload) -> Option<Arrival
     Some(Arrival::Service { slot: workload.output_offset[s] + seq as u64 - 1, g: u64::from(g) })
 }
 
+/// Ready once the subscriber's subscription is in place at the server (or with why it is not).
+type Subscribed = tokio::sync::oneshot::Receiver<Result<()>>;
+
+/// Subscribes to what `system` publishes from its own thread and client (as the producer
+/// publishes from its own), then counts outputs ([`collect`]). The first handle is ready once the
+/// subscription is in place at the server; the thread returns what it collected and its CPU time
+/// from then on, µs.
+#[allow(clippy::too_many_arguments)]
+fn spawn_subscriber(
+    nats: NatsConfig,
+    system: System,
+    workload: Arc<Workload>,
+    sent: Arc<Vec<AtomicU64>>,
+    received: Arc<AtomicU64>,
+    producer_done: Arc<AtomicBool>,
+    expected: u64,
+    deadline: Instant,
+    slow: Arc<AtomicU64>,
+) -> (Subscribed, std::thread::JoinHandle<Result<(Collected, u64)>>) {
+    let (ready, subscribed) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new().name("bench-subscriber".into()).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async move {
+            let subscribe = async {
+                let client = connect(&nats, "bench-subscriber", slow).await?;
+                let service_out = format!("{INPUT_SUBJECT}.>");
+                let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match system {
+                    System::Relay => client.subscribe(RELAY_OUT).await?.boxed(),
+                    System::Service => client.subscribe(service_out).await?.boxed(),
+                    System::Paired => futures::stream::select(
+                        client.subscribe(RELAY_OUT).await?,
+                        client.subscribe(service_out).await?,
+                    )
+                    .boxed(),
+                };
+                round_trip(&client).await;
+                anyhow::Ok((client, outputs))
+            };
+            let (_client, outputs) = match subscribe.await {
+                Ok(subscribed) => subscribed,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    bail!("the subscriber did not subscribe");
+                }
+            };
+            let _ = ready.send(Ok(()));
+            let cpu_before = this_thread_cpu_us();
+            let collected = collect(outputs, system, workload, sent, received, producer_done, expected, deadline).await;
+            Ok((collected, this_thread_cpu_us().saturating_sub(cpu_before)))
+        })
+    });
+    (subscribed, spawned.expect("the subscriber thread starts"))
+}
+
 /// Counts outputs until every expected one is in, or the deadline, or 3 s without progress after
 /// the producer finished.
 #[allow(clippy::too_many_arguments)]
@@ -1079,7 +1135,6 @@ async fn run_phase(
     config: &Config,
     workload: &Arc<Workload>,
     pace: Option<f64>,
-    subscriber: &async_nats::Client,
     admin: &async_nats::Client,
     slow: &Arc<AtomicU64>,
     input: Input,
@@ -1087,21 +1142,6 @@ async fn run_phase(
     if input == Input::Backlog {
         prefill(admin, workload, args.storage).await?;
     }
-    // Subscribed before the system starts: draining a backlog, it publishes from its first moment.
-    let service_out = format!("{INPUT_SUBJECT}.>");
-    let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match system {
-        System::Relay => subscriber.subscribe(RELAY_OUT).await?.boxed(),
-        System::Service => subscriber.subscribe(service_out).await?.boxed(),
-        System::Paired => {
-            futures::stream::select(subscriber.subscribe(RELAY_OUT).await?, subscriber.subscribe(service_out).await?)
-                .boxed()
-        }
-    };
-    round_trip(subscriber).await;
-    let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
-    let started_ns = now_ns();
-    let running = start_system(system, args.mode, args.storage, config, admin, input == Input::Backlog).await?;
-
     let events = workload.order.len() as u64;
     let expected = match system {
         System::Relay => events,
@@ -1115,9 +1155,9 @@ async fn run_phase(
     let received = Arc::new(AtomicU64::new(0));
     let producer_done = Arc::new(AtomicBool::new(false));
     let slow_before = slow.load(Ordering::Relaxed);
-
-    let collector = tokio::spawn(collect(
-        outputs,
+    // Subscribed before the system starts: draining a backlog, it publishes from its first moment.
+    let (subscribed, subscriber) = spawn_subscriber(
+        config.nats.clone(),
         system,
         workload.clone(),
         sent.clone(),
@@ -1125,7 +1165,13 @@ async fn run_phase(
         producer_done.clone(),
         expected,
         deadline,
-    ));
+        slow.clone(),
+    );
+    subscribed.await.map_err(|_| anyhow!("the subscriber stopped before it subscribed"))??;
+    let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
+    let started_ns = now_ns();
+    let running = start_system(system, args.mode, args.storage, config, admin, input == Input::Backlog).await?;
+
     let stats = match input {
         Input::Live => {
             let producer = spawn_producer(
@@ -1152,7 +1198,8 @@ async fn run_phase(
         },
     };
     producer_done.store(true, Ordering::Release);
-    let mut collected = collector.await?;
+    let (mut collected, subscriber_cpu_us) =
+        tokio::task::spawn_blocking(move || subscriber.join()).await?.map_err(|_| anyhow!("subscriber panicked"))??;
     if (collected.timed_out || stats.aborted) && args.mode == Mode::JetStream {
         // Read before the system stops: whether the server still held a pull request
         // (`num_waiting`) and had messages for it (`num_pending`) tells a lost pull request from a
@@ -1165,6 +1212,7 @@ async fn run_phase(
         per_event(workers_cpu_us().saturating_sub(workers_before)),
         per_event(stats.cpu_us),
         per_event(server_cpu_us().saturating_sub(server_before)),
+        per_event(subscriber_cpu_us),
     ];
     let snapshot = running.service().map(|s| s.metrics().snapshot());
     running.stop().await?;
@@ -1396,8 +1444,8 @@ fn report(
     let _ = writeln!(out, "## End-to-end: structured-sink against a relay, {mode}\n");
     let _ = writeln!(
         out,
-        "Machine: {}. nats-server {server_version} on 127.0.0.1; producer, service (or relay), subscriber and \
-         server share the machine. Release build.\n",
+        "Machine: {}. nats-server {server_version} on 127.0.0.1; producer and subscriber (each on its own \
+         thread and client), service (or relay) and server share the machine. Release build.\n",
         machine()
     );
     let [f, b, t, tl] = workload.by_subject;
@@ -1473,14 +1521,16 @@ fn report(
     let (service_cpu, relay_cpu) = (cpu(|x| &x.1, 0), cpu(|x| &x.0, 0));
     let _ = writeln!(
         out,
-        "CPU per input event in the tokio workers (the system under test plus the subscriber) at maximum rate: \
+        "CPU per input event in the tokio workers (the system under test alone) at maximum rate: \
          {service_cpu:.1} µs for the service against {relay_cpu:.1} µs for the relay ({:.2} ×); nats-server: {:.1} \
-         against {:.1} µs; producer: {:.1} against {:.1} µs.\n",
+         against {:.1} µs; producer: {:.1} against {:.1} µs; subscriber: {:.1} against {:.1} µs.\n",
         service_cpu / relay_cpu.max(1e-9),
         cpu(|x| &x.1, 2),
         cpu(|x| &x.0, 2),
         cpu(|x| &x.1, 1),
         cpu(|x| &x.0, 1),
+        cpu(|x| &x.1, 3),
+        cpu(|x| &x.0, 3),
     );
     let _ = writeln!(
         out,
@@ -1568,7 +1618,7 @@ Not measured: the service did not complete a maximum-rate phase.\n"
     );
     let _ = writeln!(
         out,
-        "| phase | CPU µs/event: tokio workers (system + subscriber) | producer | nats-server | producer publish rate | service events received | service messages published | shard inbox waits | slow consumer events (subscriber) | process VmRSS after |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| phase | CPU µs/event: tokio workers (system) | producer | nats-server | subscriber | producer publish rate | service events received | service messages published | shard inbox waits | slow consumer events (subscriber) | process VmRSS after |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let phases = || {
         max.iter()
@@ -1586,11 +1636,12 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         };
         let _ = writeln!(
             out,
-            "| {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {:.0} MiB |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {:.0} MiB |",
             p.label,
             p.cpu_per_event[0],
             p.cpu_per_event[1],
             p.cpu_per_event[2],
+            p.cpu_per_event[3],
             publish_rate,
             opt(p.service_received),
             opt(p.service_published),
@@ -1733,9 +1784,8 @@ fn main() -> Result<()> {
 async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
     let mut config = base_config(url, args);
     let slow = Arc::new(AtomicU64::new(0));
-    let subscriber = connect(&config.nats, "bench-subscriber", slow.clone()).await?;
     let admin = connect(&config.nats, "bench-admin", Arc::new(AtomicU64::new(0))).await?;
-    let server_version = subscriber.server_info().version.clone();
+    let server_version = admin.server_info().version.clone();
     eprintln!(
         "nats-server {server_version} at {url}; mode {:?}; {} streams × {} events",
         args.mode, args.streams, args.events_per_stream
@@ -1770,9 +1820,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
 
     if let Some(system) = args.profile {
         for round in 1..=args.rounds {
-            let p =
-                run_phase("profile", system, args, &config, &workload, None, &subscriber, &admin, &slow, Input::Live)
-                    .await?;
+            let p = run_phase("profile", system, args, &config, &workload, None, &admin, &slow, Input::Live).await?;
             eprintln!("round {round}: {:.0} events/s in, {}/{} outputs", p.in_rate, p.received, p.expected);
         }
         return Ok(true);
@@ -1790,7 +1838,6 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             &config,
             &workload,
             None,
-            &subscriber,
             &admin,
             &slow,
             Input::Live,
@@ -1805,7 +1852,6 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             &config,
             &workload,
             None,
-            &subscriber,
             &admin,
             &slow,
             Input::Live,
@@ -1830,7 +1876,6 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             &config,
             &workload,
             Some(half_rate),
-            &subscriber,
             &admin,
             &slow,
             Input::Live,
@@ -1843,7 +1888,6 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             &config,
             &workload,
             Some(half_rate),
-            &subscriber,
             &admin,
             &slow,
             Input::Live,
@@ -1861,7 +1905,6 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             &config,
             &workload,
             Some(rate),
-            &subscriber,
             &admin,
             &slow,
             Input::Live,
@@ -1875,22 +1918,11 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
             let suffix = if args.rounds > 1 { format!(" (round {round})") } else { String::new() };
             let drain = |system: System, name: &'static str| {
                 let label = format!("{name}, backlog{suffix}");
-                let (config, workload, subscriber, admin, slow) = (&config, &workload, &subscriber, &admin, &slow);
+                let (config, workload, admin, slow) = (&config, &workload, &admin, &slow);
                 async move {
                     eprintln!("{label}: storing the workload, then draining it ...");
-                    let p = run_phase(
-                        &label,
-                        system,
-                        args,
-                        config,
-                        workload,
-                        None,
-                        subscriber,
-                        admin,
-                        slow,
-                        Input::Backlog,
-                    )
-                    .await?;
+                    let p =
+                        run_phase(&label, system, args, config, workload, None, admin, slow, Input::Backlog).await?;
                     eprintln!(
                         "  {} events/s (first output after {:.0} ms, longest wait between outputs {:.0} ms)",
                         p.in_rate.round(),

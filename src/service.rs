@@ -391,11 +391,14 @@ impl OutputTemplates {
     fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap, OutputKind) {
         let (subject_text, type_name, content_type) =
             (&publication.subject, publication.type_name, publication.content_type);
-        // The subject by pointer first: every output of a kind shares its encoder's string.
+        // By pointer first: every output of a kind shares its encoder's subject string, and the
+        // names are constants (a constant used in two places may still have two addresses, hence
+        // the comparison of contents after).
+        let same = |a: &str, b: &str| std::ptr::eq(a, b) || a == b;
         let found = self.0.iter().find(|t| {
             (Arc::ptr_eq(&t.subject_text, subject_text) || t.subject_text == *subject_text)
-                && t.type_name == type_name
-                && t.content_type == content_type
+                && same(t.type_name, type_name)
+                && same(t.content_type, content_type)
         });
         let template = match found {
             Some(template) => template,
