@@ -231,7 +231,7 @@ impl Piece {
                 let bytes = payload.get(*start as usize..*start as usize + *len as usize);
                 // Both hold only for the payload the event was detached from: anything else is a
                 // bug, not input.
-                let text = bytes.map(std::str::from_utf8).expect("attached to a payload shorter than its own");
+                let text = bytes.map(reader::utf8).expect("attached to a payload shorter than its own");
                 Cow::Borrowed(text.expect("attached to a payload other than its own"))
             }
         }

@@ -109,7 +109,7 @@ pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
         ReadString::Decoded(_) => None,
     });
     let (low, high) = spans.fold((payload.len(), 0), |(low, high), (start, end)| (low.min(start), high.max(end)));
-    let checked = if low < high { std::str::from_utf8(&payload[low..high]).ok()? } else { "" };
+    let checked = if low < high { utf8(&payload[low..high])? } else { "" };
     let mut take = |field: usize| -> Option<Option<Cow<'_, str>>> {
         Some(match pieces[field].take() {
             None => None,
@@ -132,6 +132,13 @@ pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
         segment_id: take(SEGMENT_ID)?,
         provider_call_id: take(PROVIDER_CALL_ID)?,
     })
+}
+
+/// `bytes` as text when they are UTF-8, exactly as `std::str::from_utf8` decides, by SIMD where
+/// the CPU has it: the raw `text` of a `text-delta` is the whole answer so far, and std's check
+/// took about one instruction per byte of it (callgrind, BENCHMARKS.md, twentieth session).
+pub(super) fn utf8(bytes: &[u8]) -> Option<&str> {
+    simdutf8::basic::from_utf8(bytes).ok()
 }
 
 /// The string field a top-level key names.
@@ -766,7 +773,7 @@ impl<'a> Reader<'a> {
             return self.null();
         }
         let (end, _) = self.string_end()?;
-        *slot = Some(std::str::from_utf8(&self.bytes[start..=end]).ok()?);
+        *slot = Some(utf8(&self.bytes[start..=end])?);
         Some(())
     }
 
@@ -1307,6 +1314,42 @@ mod tests {
                             ));
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The SIMD check decides as std's does, for valid and broken sequences at every position
+    /// relative to its blocks (up to 64 bytes) and at the very end of the input.
+    #[test]
+    fn utf8_checks_agree_with_std_wherever_the_bytes_fall() {
+        let sequences: [&[u8]; 14] = [
+            b"a",
+            "é".as_bytes(),
+            "€".as_bytes(),
+            "😀".as_bytes(),
+            b"\xc3",             // cut short
+            b"\xe2\x82",         // cut short
+            b"\xf0\x9f\x98",     // cut short
+            b"\xc0\xaf",         // overlong
+            b"\xe0\x80\xaf",     // overlong
+            b"\xed\xa0\x80",     // surrogate
+            b"\xf4\x90\x80\x80", // above U+10FFFF
+            b"\x80",             // continuation alone
+            b"\xff",
+            b"\xc3\x28", // a lead byte without its continuation
+        ];
+        for sequence in sequences {
+            for before in 0..=70 {
+                for after in [0, 1, 3, 17, 64] {
+                    let mut bytes = vec![b'x'; before];
+                    bytes.extend_from_slice(sequence);
+                    bytes.extend(std::iter::repeat_n(b'y', after));
+                    assert_eq!(
+                        utf8(&bytes),
+                        std::str::from_utf8(&bytes).ok(),
+                        "{sequence:?} after {before}, then {after}"
+                    );
                 }
             }
         }
