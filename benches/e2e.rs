@@ -974,16 +974,9 @@ type Subscribed = tokio::sync::oneshot::Receiver<Result<()>>;
 /// publishes from its own), then counts outputs ([`collect`]). The first handle is ready once the
 /// subscription is in place at the server; the thread returns what it collected and its CPU time
 /// from then on, µs.
-#[allow(clippy::too_many_arguments)]
 fn spawn_subscriber(
     nats: NatsConfig,
-    system: System,
-    workload: Arc<Workload>,
-    sent: Arc<Vec<AtomicU64>>,
-    received: Arc<AtomicU64>,
-    producer_done: Arc<AtomicBool>,
-    expected: u64,
-    deadline: Instant,
+    expectation: Expectation,
     slow: Arc<AtomicU64>,
 ) -> (Subscribed, std::thread::JoinHandle<Result<(Collected, u64)>>) {
     let (ready, subscribed) = tokio::sync::oneshot::channel();
@@ -993,7 +986,7 @@ fn spawn_subscriber(
             let subscribe = async {
                 let client = connect(&nats, "bench-subscriber", slow).await?;
                 let service_out = format!("{INPUT_SUBJECT}.>");
-                let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match system {
+                let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match expectation.system {
                     System::Relay => client.subscribe(RELAY_OUT).await?.boxed(),
                     System::Service => client.subscribe(service_out).await?.boxed(),
                     System::Paired => futures::stream::select(
@@ -1014,26 +1007,34 @@ fn spawn_subscriber(
             };
             let _ = ready.send(Ok(()));
             let cpu_before = this_thread_cpu_us();
-            let collected = collect(outputs, system, workload, sent, received, producer_done, expected, deadline).await;
+            let collected = collect(outputs, expectation).await;
             Ok((collected, this_thread_cpu_us().saturating_sub(cpu_before)))
         })
     });
     (subscribed, spawned.expect("the subscriber thread starts"))
 }
 
-/// Counts outputs until every expected one is in, or the deadline, or 3 s without progress after
-/// the producer finished.
-#[allow(clippy::too_many_arguments)]
-async fn collect(
-    mut outputs: futures::stream::BoxStream<'static, async_nats::Message>,
+/// What a phase's outputs are counted against, shared with its producer through the atomics.
+struct Expectation {
     system: System,
     workload: Arc<Workload>,
+    /// Publish time of each event, ns (0: not yet published), written by the producer.
     sent: Arc<Vec<AtomicU64>>,
+    /// Outputs received so far, read by the producer for its window.
     received: Arc<AtomicU64>,
     producer_done: Arc<AtomicBool>,
+    /// How many valid outputs complete the phase.
     expected: u64,
     deadline: Instant,
+}
+
+/// Counts outputs until every expected one is in, or the deadline, or 3 s without progress after
+/// the producer finished.
+async fn collect(
+    mut outputs: futures::stream::BoxStream<'static, async_nats::Message>,
+    expectation: Expectation,
 ) -> Collected {
+    let Expectation { system, workload, sent, received, producer_done, expected, deadline } = expectation;
     let events = workload.order.len();
     // Flat numbering of what is expected: in a paired phase the relay's outputs (one per event)
     // come first.
@@ -1156,17 +1157,16 @@ async fn run_phase(
     let producer_done = Arc::new(AtomicBool::new(false));
     let slow_before = slow.load(Ordering::Relaxed);
     // Subscribed before the system starts: draining a backlog, it publishes from its first moment.
-    let (subscribed, subscriber) = spawn_subscriber(
-        config.nats.clone(),
+    let expectation = Expectation {
         system,
-        workload.clone(),
-        sent.clone(),
-        received.clone(),
-        producer_done.clone(),
+        workload: workload.clone(),
+        sent: sent.clone(),
+        received: received.clone(),
+        producer_done: producer_done.clone(),
         expected,
         deadline,
-        slow.clone(),
-    );
+    };
+    let (subscribed, subscriber) = spawn_subscriber(config.nats.clone(), expectation, slow.clone());
     subscribed.await.map_err(|_| anyhow!("the subscriber stopped before it subscribed"))??;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
     let started_ns = now_ns();
