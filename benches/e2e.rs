@@ -853,73 +853,82 @@ fn spawn_producer(
     deadline: Instant,
     stall: Duration,
 ) -> std::thread::JoinHandle<Result<ProducerStats>> {
-    let spawned = std::thread::Builder::new().name("bench-producer".into()).spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(async move {
-            let client = connect(&nats, "bench-producer", Arc::new(AtomicU64::new(0))).await?;
-            let start = Instant::now();
-            let first_ns = now_ns();
-            let mut max_lag = Duration::ZERO;
-            let mut aborted = false;
-            for (k, &g) in workload.order.iter().enumerate() {
-                let expect = match system {
-                    System::Relay => k as u64 + 1,
-                    System::Service => workload.expected_after[k],
-                    System::Paired => k as u64 + 1 + workload.expected_after[k],
-                };
-                if expect > received.load(Ordering::Acquire) + window {
-                    client.flush().await?;
-                    // Stop early when nothing arrives for `stall` (a stalled system).
-                    let (mut seen, mut since) = (received.load(Ordering::Acquire), Instant::now());
-                    while expect > seen + window && Instant::now() < deadline && since.elapsed() < stall {
-                        std::thread::sleep(Duration::from_micros(100));
-                        let now_seen = received.load(Ordering::Acquire);
-                        if now_seen != seen {
-                            (seen, since) = (now_seen, Instant::now());
-                        }
-                    }
-                    if since.elapsed() >= stall {
-                        eprintln!("  no output for {} s: stopping this phase", stall.as_secs());
-                        aborted = true;
-                        break;
+    on_own_thread("bench-producer", move || async move {
+        let client = connect(&nats, "bench-producer", Arc::new(AtomicU64::new(0))).await?;
+        let start = Instant::now();
+        let first_ns = now_ns();
+        let mut max_lag = Duration::ZERO;
+        let mut aborted = false;
+        for (k, &g) in workload.order.iter().enumerate() {
+            let expect = match system {
+                System::Relay => k as u64 + 1,
+                System::Service => workload.expected_after[k],
+                System::Paired => k as u64 + 1 + workload.expected_after[k],
+            };
+            if expect > received.load(Ordering::Acquire) + window {
+                client.flush().await?;
+                // Stop early when nothing arrives for `stall` (a stalled system).
+                let (mut seen, mut since) = (received.load(Ordering::Acquire), Instant::now());
+                while expect > seen + window && Instant::now() < deadline && since.elapsed() < stall {
+                    std::thread::sleep(Duration::from_micros(100));
+                    let now_seen = received.load(Ordering::Acquire);
+                    if now_seen != seen {
+                        (seen, since) = (now_seen, Instant::now());
                     }
                 }
-                if Instant::now() >= deadline {
+                if since.elapsed() >= stall {
+                    eprintln!("  no output for {} s: stopping this phase", stall.as_secs());
                     aborted = true;
                     break;
                 }
-                if let Some(rate) = pace {
-                    let due = start + Duration::from_secs_f64(k as f64 / rate);
-                    let now = Instant::now();
-                    if due > now + Duration::from_micros(20) {
-                        // Ahead of schedule: send what is queued, then sleep (a thread sleep is far
-                        // finer than tokio's 1 ms timer).
-                        client.flush().await?;
-                        let now = Instant::now();
-                        if due > now {
-                            std::thread::sleep(due - now);
-                        }
-                    } else if now > due {
-                        max_lag = max_lag.max(now - due);
-                    }
-                }
-                let mut headers = HeaderMap::new();
-                headers.insert(EVENT_HEADER, g.to_string().as_str());
-                sent[g as usize].store(now_ns(), Ordering::Release);
-                client.publish_with_headers(INPUT_SUBJECT, headers, workload.payloads[g as usize].clone()).await?;
             }
-            client.flush().await?;
-            let last_ns = now_ns();
-            // Before the client closes: a flush only hands the events to the socket, and closing a
-            // socket while input from the server is unread resets the connection, discarding what
-            // the kernel has not sent yet (the server logged "Read Error" and the workload's tail
-            // went missing, in about one smoke run in five). The server answers this request only
-            // after reading everything before it.
-            round_trip(&client).await;
-            Ok(ProducerStats { first_ns, last_ns, max_lag, aborted, cpu_us: this_thread_cpu_us() })
-        })
-    });
-    spawned.expect("the producer thread starts")
+            if Instant::now() >= deadline {
+                aborted = true;
+                break;
+            }
+            if let Some(rate) = pace {
+                let due = start + Duration::from_secs_f64(k as f64 / rate);
+                let now = Instant::now();
+                if due > now + Duration::from_micros(20) {
+                    // Ahead of schedule: send what is queued, then sleep (a thread sleep is far
+                    // finer than tokio's 1 ms timer).
+                    client.flush().await?;
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                } else if now > due {
+                    max_lag = max_lag.max(now - due);
+                }
+            }
+            let mut headers = HeaderMap::new();
+            headers.insert(EVENT_HEADER, g.to_string().as_str());
+            sent[g as usize].store(now_ns(), Ordering::Release);
+            client.publish_with_headers(INPUT_SUBJECT, headers, workload.payloads[g as usize].clone()).await?;
+        }
+        client.flush().await?;
+        let last_ns = now_ns();
+        // Before the client closes: a flush only hands the events to the socket, and closing a
+        // socket while input from the server is unread resets the connection, discarding what
+        // the kernel has not sent yet (the server logged "Read Error" and the workload's tail
+        // went missing, in about one smoke run in five). The server answers this request only
+        // after reading everything before it.
+        round_trip(&client).await;
+        Ok(ProducerStats { first_ns, last_ns, max_lag, aborted, cpu_us: this_thread_cpu_us() })
+    })
+}
+
+/// Runs the future `work` makes on a thread named `name`, in a one-thread runtime of its own: the
+/// producer and the subscriber each run so, outside the runtime of the system under test.
+fn on_own_thread<T, F>(name: &str, work: impl FnOnce() -> F + Send + 'static) -> std::thread::JoinHandle<Result<T>>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = Result<T>>,
+{
+    let spawned = std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(work()));
+    spawned.unwrap_or_else(|e| panic!("the {name} thread starts: {e}"))
 }
 
 struct Collected {
@@ -980,38 +989,34 @@ fn spawn_subscriber(
     slow: Arc<AtomicU64>,
 ) -> (Subscribed, std::thread::JoinHandle<Result<(Collected, u64)>>) {
     let (ready, subscribed) = tokio::sync::oneshot::channel();
-    let spawned = std::thread::Builder::new().name("bench-subscriber".into()).spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        rt.block_on(async move {
-            let subscribe = async {
-                let client = connect(&nats, "bench-subscriber", slow).await?;
-                let service_out = format!("{INPUT_SUBJECT}.>");
-                let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match expectation.system {
-                    System::Relay => client.subscribe(RELAY_OUT).await?.boxed(),
-                    System::Service => client.subscribe(service_out).await?.boxed(),
-                    System::Paired => futures::stream::select(
-                        client.subscribe(RELAY_OUT).await?,
-                        client.subscribe(service_out).await?,
-                    )
-                    .boxed(),
-                };
-                round_trip(&client).await;
-                anyhow::Ok((client, outputs))
-            };
-            let (_client, outputs) = match subscribe.await {
-                Ok(subscribed) => subscribed,
-                Err(e) => {
-                    let _ = ready.send(Err(e));
-                    bail!("the subscriber did not subscribe");
+    let thread = on_own_thread("bench-subscriber", move || async move {
+        let subscribe = async {
+            let client = connect(&nats, "bench-subscriber", slow).await?;
+            let service_out = format!("{INPUT_SUBJECT}.>");
+            let outputs: futures::stream::BoxStream<'static, async_nats::Message> = match expectation.system {
+                System::Relay => client.subscribe(RELAY_OUT).await?.boxed(),
+                System::Service => client.subscribe(service_out).await?.boxed(),
+                System::Paired => {
+                    futures::stream::select(client.subscribe(RELAY_OUT).await?, client.subscribe(service_out).await?)
+                        .boxed()
                 }
             };
-            let _ = ready.send(Ok(()));
-            let cpu_before = this_thread_cpu_us();
-            let collected = collect(outputs, expectation).await;
-            Ok((collected, this_thread_cpu_us().saturating_sub(cpu_before)))
-        })
+            round_trip(&client).await;
+            anyhow::Ok((client, outputs))
+        };
+        let (_client, outputs) = match subscribe.await {
+            Ok(subscribed) => subscribed,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                bail!("the subscriber did not subscribe");
+            }
+        };
+        let _ = ready.send(Ok(()));
+        let cpu_before = this_thread_cpu_us();
+        let collected = collect(outputs, expectation).await;
+        Ok((collected, this_thread_cpu_us().saturating_sub(cpu_before)))
     });
-    (subscribed, spawned.expect("the subscriber thread starts"))
+    (subscribed, thread)
 }
 
 /// What a phase's outputs are counted against, shared with its producer through the atomics.
