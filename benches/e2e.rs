@@ -1834,35 +1834,18 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
     let mut max = Vec::new();
     for round in 1..=args.rounds {
         let suffix = if args.rounds > 1 { format!(" (round {round})") } else { String::new() };
-        let phase = |label: &str| format!("{label}{suffix}");
-        eprintln!("relay, max rate{suffix} ...");
-        let relay = run_phase(
-            &phase("relay, max rate"),
-            System::Relay,
-            args,
-            &config,
-            &workload,
-            None,
-            &admin,
-            &slow,
-            Input::Live,
-        )
-        .await?;
-        eprintln!("  {} events/s", relay.in_rate.round());
-        eprintln!("service, max rate{suffix} ...");
-        let service = run_phase(
-            &phase("structured-sink, max rate"),
-            System::Service,
-            args,
-            &config,
-            &workload,
-            None,
-            &admin,
-            &slow,
-            Input::Live,
-        )
-        .await?;
-        eprintln!("  {} events/s", service.in_rate.round());
+        let max_rate = |system: System, name: &'static str| {
+            let label = format!("{name}, max rate{suffix}");
+            let (config, workload, admin, slow) = (&config, &workload, &admin, &slow);
+            async move {
+                eprintln!("{label} ...");
+                let p = run_phase(&label, system, args, config, workload, None, admin, slow, Input::Live).await?;
+                eprintln!("  {} events/s", p.in_rate.round());
+                anyhow::Ok(p)
+            }
+        };
+        let relay = max_rate(System::Relay, "relay").await?;
+        let service = max_rate(System::Service, "structured-sink").await?;
         max.push((relay, service));
     }
     let service_max = median(max.iter().filter(|(_, s)| s.complete()).map(|(_, s)| s.in_rate).collect());
