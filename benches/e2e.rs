@@ -1857,30 +1857,12 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         Vec::new()
     } else {
         eprintln!("service and relay at {} events/s ...", half_rate.round());
-        let service_half = run_phase(
-            if args.rate.is_some() { "structured-sink, paced" } else { "structured-sink, half rate" },
-            System::Service,
-            args,
-            &config,
-            &workload,
-            Some(half_rate),
-            &admin,
-            &slow,
-            Input::Live,
-        )
-        .await?;
-        let relay_half = run_phase(
-            "relay, same rate",
-            System::Relay,
-            args,
-            &config,
-            &workload,
-            Some(half_rate),
-            &admin,
-            &slow,
-            Input::Live,
-        )
-        .await?;
+        let paced = |system: System, label: &'static str| {
+            run_phase(label, system, args, &config, &workload, Some(half_rate), &admin, &slow, Input::Live)
+        };
+        let service_label = if args.rate.is_some() { "structured-sink, paced" } else { "structured-sink, half rate" };
+        let service_half = paced(System::Service, service_label).await?;
+        let relay_half = paced(System::Relay, "relay, same rate").await?;
         vec![service_half, relay_half]
     };
     let mut paired = Vec::new();
