@@ -25,6 +25,11 @@ use crate::typed::SchemaRegistry;
 /// The prefix of environment variables; `__` separates nested keys.
 pub const ENV_PREFIX: &str = "STRUCTURED_SINK__";
 
+/// Keys whose values from the environment (and, unless TOML strings, from `--set`) are taken
+/// exactly as written. figment reads environment values as TOML-like data, which would turn a
+/// password `0042` into the number 42 and unquote `"x"`: a secret must arrive unchanged.
+const VERBATIM_KEYS: [&str; 4] = ["nats.token", "nats.user", "nats.password", "nats.nkey_seed"];
+
 /// Why the configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -375,6 +380,11 @@ impl PartitionConfig {
 
 /// Partitions given as numbers or inclusive ranges (`["0-15", "32"]`) below `count`, sorted and
 /// without repeats; `key` names the setting in errors.
+/// The error for an input that would read the service's own `output` back.
+fn feedback_loop(key: &'static str, input: &str, output: &str) -> ConfigError {
+    ConfigError::invalid(key, format!("{input:?} would receive the service's own output {output} (a feedback loop)"))
+}
+
 fn parse_partition_ranges(key: &'static str, items: &[String], count: u32) -> Result<Vec<u32>, ConfigError> {
     let mut partitions = Vec::new();
     for item in items {
@@ -411,8 +421,8 @@ pub struct JetStreamConfig {
     pub create_stream: bool,
     /// Replicas of a created stream (3 on a three-node cluster).
     pub stream_replicas: usize,
-    /// Durable consumer names are `<consumer_prefix>-p<partition>` (or `<consumer_prefix>` without
-    /// partitions).
+    /// Durable consumer names are `<consumer_prefix>-p<partition>` in subject mode (shared by the
+    /// replicas), else `<consumer_prefix>-r<replica_index>-s<i>`, one per input subject `i`.
     pub consumer_prefix: String,
     /// How long the server waits for an ack before redelivering. A stream's first event is
     /// acknowledged when the stream ends, so this should exceed the longest stream plus
@@ -586,17 +596,25 @@ impl Config {
             }
             figment = figment.merge(Toml::file_exact(file));
         }
-        figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
+        let env = Env::prefixed(ENV_PREFIX).split("__");
+        figment = figment.merge(env.clone().ignore(&VERBATIM_KEYS));
+        for (key, value) in env.only(&VERBATIM_KEYS).iter() {
+            figment = figment.merge(Serialized::global(key.as_str(), value));
+        }
         for item in overrides {
             let (key, value) = item
                 .split_once('=')
                 .ok_or_else(|| ConfigError::invalid(item.clone(), "expected --set section.key=value"))?;
-            // The value is TOML (`42`, `true`, `"x"`, `["a", "b"]`), or else a bare string.
-            let value = toml::from_str::<toml::Table>(&format!("v = {value}"))
-                .ok()
-                .and_then(|mut t| t.remove("v"))
-                .unwrap_or_else(|| toml::Value::String(value.to_owned()));
-            figment = figment.merge(Serialized::global(key.trim(), value));
+            let key = key.trim();
+            // The value is TOML (`42`, `true`, `"x"`, `["a", "b"]`), or else a bare string; a
+            // secret is a TOML string or else exactly as written.
+            let value =
+                match toml::from_str::<toml::Table>(&format!("v = {value}")).ok().and_then(|mut t| t.remove("v")) {
+                    Some(v @ toml::Value::String(_)) => v,
+                    Some(v) if !VERBATIM_KEYS.contains(&key) => v,
+                    _ => toml::Value::String(value.to_owned()),
+                };
+            figment = figment.merge(Serialized::global(key, value));
         }
         Ok(figment)
     }
@@ -625,12 +643,9 @@ impl Config {
         if !self.input.pass_through_subject.is_empty() && !is_valid_publish_subject(&self.input.pass_through_subject) {
             return Err(ConfigError::invalid("input.pass_through_subject", "not a valid subject to publish to"));
         }
-        for input in &self.input.subjects {
-            if let Some(out) = outputs.iter().find(|o| patterns_overlap(input, o)) {
-                return Err(ConfigError::invalid(
-                    "input.subjects",
-                    format!("{input:?} would receive the service's own output {out:?} (a feedback loop)"),
-                ));
+        for input in self.input_patterns() {
+            if let Some(out) = outputs.iter().find(|o| patterns_overlap(&input, o)) {
+                return Err(feedback_loop(self.input_key(), &input, &format!("{out:?}")));
             }
         }
         self.partitions.owned_partitions()?;
@@ -689,6 +704,41 @@ impl Config {
         out
     }
 
+    /// Every subject or pattern the service's input reads: the configured input subjects, or in
+    /// subject mode both the subjects producers publish to (`<subject_prefix>.<message_id>`,
+    /// which the server maps into the partitions) and the partitioned subjects themselves.
+    pub fn input_patterns(&self) -> Vec<String> {
+        match self.partitions.mode {
+            PartitionMode::Subject => {
+                let prefix = &self.partitions.subject_prefix;
+                vec![format!("{prefix}.*"), format!("{prefix}.p.*.*")]
+            }
+            PartitionMode::None | PartitionMode::Filter => self.input.subjects.clone(),
+        }
+    }
+
+    /// The key that sets [`Config::input_patterns`], for errors.
+    fn input_key(&self) -> &'static str {
+        match self.partitions.mode {
+            PartitionMode::Subject => "partitions.subject_prefix",
+            PartitionMode::None | PartitionMode::Filter => "input.subjects",
+        }
+    }
+
+    /// Refuses a block type whose declared subject the input would read back. Declared subjects
+    /// are known only once the schemas are loaded, after [`Config::validated`].
+    fn check_block_subjects(&self, registry: &SchemaRegistry) -> Result<(), ConfigError> {
+        let inputs = self.input_patterns();
+        for block in registry.block_types() {
+            let Some(subject) = block.subject() else { continue };
+            if let Some(input) = inputs.iter().find(|i| patterns_overlap(i, subject)) {
+                let output = format!("{subject:?} (declared for block {})", block.tag());
+                return Err(feedback_loop(self.input_key(), input, &output));
+            }
+        }
+        Ok(())
+    }
+
     /// The core's limits. `geppetto-json` output needs the cumulative text on every message (its
     /// `completion` field), so that format forces `cumulative_text = "every"`.
     pub fn pipeline_limits(&self) -> PipelineLimits {
@@ -733,6 +783,7 @@ impl Config {
     /// The pipeline and encoder this configuration describes: the one place both the service and
     /// `replay` build them, so they cannot drift apart.
     pub fn processing(&self, registry: &SchemaRegistry) -> Result<(Pipeline, OutputEncoder), ConfigError> {
+        self.check_block_subjects(registry)?;
         let pipeline = Pipeline::new(self.tag_specs_with(registry), self.pipeline_limits())
             .map_err(|e| ConfigError::invalid("tags", e.to_string()))?;
         let encoder = OutputEncoder::with_text_encoding(&pipeline, &self.output.subjects, self.text_encoding())
@@ -902,6 +953,64 @@ mod tests {
     }
 
     #[test]
+    fn subject_mode_refuses_outputs_its_producers_subjects_would_carry_back() {
+        Jail::expect_with(|_| {
+            let subject_mode = |prefix: &str, filtered: &str| {
+                Config::load(
+                    None,
+                    &[
+                        "partitions.mode=\"subject\"".into(),
+                        format!("partitions.subject_prefix=\"{prefix}\""),
+                        format!("output.subjects.filtered=\"{filtered}\""),
+                    ],
+                )
+            };
+            // `chat.raw.filtered` is a producer subject the server maps into a partition; the
+            // second is a partition subject itself.
+            for (prefix, filtered) in [("chat.raw", "chat.raw.filtered"), ("chat.raw", "chat.raw.p.0.x")] {
+                let err = subject_mode(prefix, filtered).unwrap_err().to_string();
+                assert!(err.contains("partitions.subject_prefix") && err.contains("feedback"), "{filtered}: {err}");
+            }
+            // The unused `input.subjects` no longer decides: `chat` is its default, and a filtered
+            // subject under it is fine when the input is `chat.raw.*`.
+            assert!(subject_mode("chat.raw", "chat.filtered.out").is_ok());
+            assert!(
+                Config::load(None, &["output.subjects.filtered=\"chat\"".into()]).is_err(),
+                "none mode reads `chat`"
+            );
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_block_subject_declared_in_a_proto_file_is_refused_when_the_input_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mode.proto");
+        std::fs::write(
+            &file,
+            "syntax = \"proto3\";\npackage myapp.v1;\nimport \"structuredsink/v1/options.proto\";\n\
+             message ModeSwitch {\n  option (structuredsink.v1.block) = { tag: \"myapp:ModeSwitch:v1\", subject: \"agents.modes\" };\n  string new_mode = 1;\n}\n",
+        )
+        .unwrap();
+        let dirs = format!("schemas.dirs=[{:?}]", dir.path().display().to_string());
+        let processing = |inputs: &str| {
+            let config = Config::load(None, &[dirs.clone(), format!("input.subjects={inputs}")]).unwrap();
+            config.processing(&config.load_schemas().unwrap()).map(|_| ())
+        };
+        // In a jail: other tests set environment variables that `Config::load` reads.
+        Jail::expect_with(|_| {
+            let err = processing("[\"chat\", \"agents.*\"]").unwrap_err().to_string();
+            assert!(err.contains("input.subjects") && err.contains("feedback"), "{err}");
+            assert!(
+                err.contains("agents.modes") && err.contains("myapp:ModeSwitch:v1"),
+                "names the subject and block: {err}"
+            );
+            assert!(processing("[\"chat\", \"agents.raw\"]").is_ok());
+            Ok(())
+        });
+    }
+
+    #[test]
     fn numeric_and_boolean_secrets_from_the_environment_are_strings() {
         Jail::expect_with(|jail| {
             jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "12345");
@@ -912,6 +1021,46 @@ mod tests {
             jail.clear_env();
             jail.set_env("STRUCTURED_SINK__NATS__TOKEN", "12345");
             assert_eq!(Config::load(None, &[]).unwrap().nats.token.as_deref(), Some("12345"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn secrets_from_the_environment_and_flags_are_taken_as_written() {
+        Jail::expect_with(|jail| {
+            // Each would be retyped by the environment's TOML-like parsing: a number losing its
+            // leading zeros or trailing zero, a quoted string its quotes, a list failing to load.
+            for (key, text) in [
+                ("TOKEN", "0042"),
+                ("PASSWORD", "1.50"),
+                ("TOKEN", "\"quoted\""),
+                ("TOKEN", "[abc]"),
+                ("TOKEN", "{a=1}"),
+                ("PASSWORD", "-7"),
+            ] {
+                jail.clear_env();
+                jail.set_env(format!("STRUCTURED_SINK__NATS__{key}"), text);
+                if key == "PASSWORD" {
+                    jail.set_env("STRUCTURED_SINK__NATS__USER", "007");
+                }
+                let nats = Config::load(None, &[]).map_err(|e| format!("{key}={text}: {e}"))?.nats;
+                let read = match key {
+                    "TOKEN" => nats.token,
+                    _ => {
+                        assert_eq!(nats.user.as_deref(), Some("007"));
+                        nats.password
+                    }
+                };
+                assert_eq!(read.as_deref(), Some(text), "{key}");
+            }
+            jail.clear_env();
+            // Flags: a TOML string is unquoted, anything else is taken as written.
+            for (flag, expected) in
+                [("nats.token=0042", "0042"), ("nats.token=1.50", "1.50"), ("nats.token=\"a b\"", "a b")]
+            {
+                let nats = Config::load(None, &[flag.into()]).map_err(|e| format!("{flag}: {e}"))?.nats;
+                assert_eq!(nats.token.as_deref(), Some(expected), "{flag}");
+            }
             Ok(())
         });
     }

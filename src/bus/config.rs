@@ -315,9 +315,9 @@ fn mask_authority(rest: &str, prefix: &str) -> String {
     format!("{prefix}{masked}{}", &rest[at..])
 }
 
-/// Reads a secret or name as a string even when a layer typed it: environment variables are
-/// parsed leniently, so `STRUCTURED_SINK__NATS__TOKEN=12345` arrives as a number and `true` as a
-/// boolean. Both are taken as the text they were written as.
+/// Reads a secret or name as a string even when a layer typed it: a TOML file may write
+/// `token = 12345` or `user = true`. Both are taken as the text of the value. (The environment
+/// and `--set` hand these keys over as strings already, see `config::VERBATIM_KEYS`.)
 fn lenient_string<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
