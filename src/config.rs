@@ -378,13 +378,13 @@ impl PartitionConfig {
     }
 }
 
-/// Partitions given as numbers or inclusive ranges (`["0-15", "32"]`) below `count`, sorted and
-/// without repeats; `key` names the setting in errors.
 /// The error for an input that would read the service's own `output` back.
 fn feedback_loop(key: &'static str, input: &str, output: &str) -> ConfigError {
     ConfigError::invalid(key, format!("{input:?} would receive the service's own output {output} (a feedback loop)"))
 }
 
+/// Partitions given as numbers or inclusive ranges (`["0-15", "32"]`) below `count`, sorted and
+/// without repeats; `key` names the setting in errors.
 fn parse_partition_ranges(key: &'static str, items: &[String], count: u32) -> Result<Vec<u32>, ConfigError> {
     let mut partitions = Vec::new();
     for item in items {

@@ -148,8 +148,13 @@ pub struct JetStreamSource {
     consumer: jetstream::consumer::PullConsumer,
     /// How much one pull request asks for.
     pull: Pull,
-    /// `None` until the first pull (a standby replica waits a moment before pulling).
+    /// `None` until the first pull (a standby replica waits a moment before pulling), and from
+    /// the end of a pull stream until the next one opens.
     messages: Option<pull::Stream>,
+    /// No pull stream opens before this instant. A deadline, not a sleep's duration: `next` is
+    /// dropped whenever the dispatcher's expiry tick or shutdown comes first, and a sleep would
+    /// start again on every call (with a tick as long as the wait, for good).
+    open_at: Option<tokio::time::Instant>,
     /// Set for pinned-client consumers.
     pinned: Option<Pinned>,
 }
@@ -218,8 +223,6 @@ struct Pinned {
     subject: String,
     /// Pull expiry: well below the pin TTL, since the pin lapses when no pull arrives in time.
     expires: Duration,
-    /// Wait before the first pull (standby partitions only).
-    delay: Option<Duration>,
     /// The pin id of the latest delivery: `None` before the first and after a new pull stream.
     pin: Option<String>,
     /// Deliveries at or below this stream sequence have been rebuilt from the stream.
@@ -235,6 +238,9 @@ struct Pinned {
 struct Rebuild {
     /// The ordered read from the ack floor + 1; `None` once it has reached `through`.
     reader: Option<pull::Ordered>,
+    /// When the read counts as idle (see [`REBUILD_IDLE`]) unless a message comes first: a
+    /// deadline, kept here so that a dropped [`JetStreamSource::next`] does not restart it.
+    idle_at: tokio::time::Instant,
     /// The last stream sequence to read: the consumer's delivered sequence at the takeover.
     through: u64,
     /// The delivery that revealed the new pin, handed on after the rebuilt messages.
@@ -349,7 +355,7 @@ async fn open_consumers(
             .await
             .map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        let source = JetStreamSource { consumer, pull, messages: Some(messages), pinned: None };
+        let source = JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, pinned: None };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -421,13 +427,13 @@ async fn open_pinned_consumers(
             stream: stream.clone(),
             subject: subject.clone(),
             expires: ttl / 3,
-            delay: (!is_owner).then_some(STANDBY_DELAY),
             pin: None,
             rebuilt_through: 0,
             rebuild: None,
             revealed: None,
         };
-        let source = JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, pinned: Some(pinned) };
+        let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
+        let source = JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, open_at, pinned: Some(pinned) };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -469,8 +475,9 @@ impl JetStreamSource {
     /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
     ///
     /// Cancel-safe: every state it waits in lives in `self` (a takeover's revealing delivery in
-    /// [`Pinned::revealed`], a rebuild's read in [`Pinned::rebuild`]), and async-nats' pull stream
-    /// sends no pull request before its first poll, so opening one may be dropped too.
+    /// [`Pinned::revealed`], a rebuild's read in [`Pinned::rebuild`], the waits before a pull
+    /// stream opens and before a rebuild's read counts as idle as deadlines), and async-nats' pull
+    /// stream sends no pull request before its first poll, so opening one may be dropped too.
     async fn next(&mut self) -> Envelope {
         loop {
             if let Some(envelope) = self.next_rebuilt().await {
@@ -490,8 +497,8 @@ impl JetStreamSource {
                     // open it again. A new pull stream is a new client for the server, so a pin
                     // held by the old one is gone: the next pin seen here starts a takeover.
                     tracing::warn!("JetStream pull stream ended; reopening it");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    self.open().await;
+                    self.messages = None;
+                    self.open_at = Some(tokio::time::Instant::now() + Duration::from_millis(200));
                 }
                 Some(Ok(message)) => {
                     // Only pinned-client consumers carry a pin: others skip the header lookup.
@@ -531,11 +538,9 @@ impl JetStreamSource {
 
     /// Opens the pull stream, retrying until it opens.
     async fn open(&mut self) {
-        if let Some(delay) = self.pinned.as_ref().and_then(|p| p.delay) {
-            tokio::time::sleep(delay).await;
-            if let Some(pinned) = self.pinned.as_mut() {
-                pinned.delay = None;
-            }
+        if let Some(at) = self.open_at {
+            tokio::time::sleep_until(at).await;
+            self.open_at = None;
         }
         loop {
             let opened = match &self.pinned {
@@ -572,8 +577,9 @@ impl JetStreamSource {
         let pinned = self.pinned.as_mut()?;
         let rebuild = pinned.rebuild.as_mut()?;
         while let Some(reader) = rebuild.reader.as_mut() {
-            match tokio::time::timeout(REBUILD_IDLE, reader.next()).await {
+            match tokio::time::timeout_at(rebuild.idle_at, reader.next()).await {
                 Ok(Some(Ok(message))) => {
+                    rebuild.idle_at = tokio::time::Instant::now() + REBUILD_IDLE;
                     let Ok(info) = message.info() else { continue };
                     let (sequence, pending) = (info.stream_sequence, info.pending);
                     if sequence > rebuild.through {
@@ -626,7 +632,8 @@ impl Pinned {
         self.rebuilt_through = self.rebuilt_through.max(delivered);
         if delivered <= floor {
             let Some(revealed) = self.revealed.take() else { return };
-            self.rebuild = Some(Rebuild { reader: None, through: delivered, revealed });
+            self.rebuild =
+                Some(Rebuild { reader: None, idle_at: tokio::time::Instant::now(), through: delivered, revealed });
             return;
         }
         let config = pull::OrderedConfig {
@@ -648,7 +655,12 @@ impl Pinned {
             }
         };
         let Some(revealed) = self.revealed.take() else { return };
-        self.rebuild = Some(Rebuild { reader: Some(reader), through: delivered, revealed });
+        self.rebuild = Some(Rebuild {
+            reader: Some(reader),
+            idle_at: tokio::time::Instant::now() + REBUILD_IDLE,
+            through: delivered,
+            revealed,
+        });
     }
 
     /// A delivery of a message already rebuilt counts as a redelivery (see [`Pinned`]).

@@ -197,10 +197,13 @@ fn spawn_replica(url: &str, dir: &std::path::Path) -> Child {
     replica_command(url, dir).spawn().unwrap()
 }
 
-/// A `structured-sink serve` process in JetStream mode with `jetstream.pinned_client`: replica
-/// `index` of 2 owns half of the 8 partitions and stands by for the other half.
-fn spawn_pinned_replica(url: &str, dir: &std::path::Path, index: u32) -> Child {
+/// A `structured-sink serve` process in JetStream mode with `jetstream.pinned_client` and
+/// `shards` shard workers: replica `index` of 2 owns the partitions `p % 2 == index` of
+/// `partitions` and stands by for the others.
+fn spawn_pinned_replica(url: &str, dir: &std::path::Path, index: u32, partitions: u32, shards: u32) -> Child {
     replica_command(url, dir)
+        .env("STRUCTURED_SINK__PARTITIONS__COUNT", partitions.to_string())
+        .env("STRUCTURED_SINK__SHARDS__COUNT", shards.to_string())
         .env("STRUCTURED_SINK__PARTITIONS__REPLICA_INDEX", index.to_string())
         .env("STRUCTURED_SINK__PARTITIONS__REPLICA_COUNT", "2")
         .env("STRUCTURED_SINK__JETSTREAM__PINNED_CLIENT", "true")
@@ -545,9 +548,9 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
 }
 
 /// The pin of each partition consumer's priority group: `None` while no replica is pinned.
-async fn pins(stream: &jetstream::stream::Stream) -> Vec<Option<String>> {
+async fn pins(stream: &jetstream::stream::Stream, partitions: u32) -> Vec<Option<String>> {
     let mut pins = Vec::new();
-    for partition in 0..8 {
+    for partition in 0..partitions {
         let mut consumer: jetstream::consumer::PullConsumer =
             stream.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
         let info = consumer.info().await.unwrap();
@@ -567,7 +570,23 @@ async fn pins(stream: &jetstream::stream::Stream) -> Vec<Option<String>> {
 /// clear error, before creating anything.
 #[tokio::test]
 async fn pinned_client_standby_takes_over_after_kill_9() {
-    let server = NatsServer::builder().config(mapping(8)).start();
+    pinned_takeover(8, 2).await;
+}
+
+/// The same with one partition and one shard worker: the survivor owns nothing, so its one
+/// source feeds its one shard directly and the input task's `select!` shares it with the expiry
+/// tick, which drops the source's `next` once per tick. The standby's wait before its first pull
+/// (1 s) is as long as the tick (1 s): while the wait restarted with every `next`, the standby
+/// never pulled and the partition stalled for good after the kill.
+#[tokio::test]
+async fn pinned_client_standby_owning_nothing_with_one_shard_takes_over() {
+    pinned_takeover(1, 1).await;
+}
+
+/// Two pinned replicas over `partitions` partitions with `shards` shard workers each; replica 0 is
+/// killed mid-run (see [`pinned_client_standby_takes_over_after_kill_9`]).
+async fn pinned_takeover(partitions: u32, shards: u32) {
+    let server = NatsServer::builder().config(mapping(partitions)).start();
     if server.version() < (2, 11, 0) {
         let mut config = jetstream_config(&server.url());
         config.jetstream.pinned_client = true;
@@ -583,8 +602,8 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
     let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
     client.flush().await.unwrap();
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-    let mut doomed = spawn_pinned_replica(&server.url(), dirs[0].path(), 0);
-    let mut survivor = spawn_pinned_replica(&server.url(), dirs[1].path(), 1);
+    let mut doomed = spawn_pinned_replica(&server.url(), dirs[0].path(), 0, partitions, shards);
+    let mut survivor = spawn_pinned_replica(&server.url(), dirs[1].path(), 1, partitions, shards);
 
     let events = conversation(300, 6);
     let expected = replayed(&test_config(&server.url()), &events);
@@ -594,7 +613,7 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let input = loop {
         if let Ok(mut stream) = js.get_stream("CHAT_RAW").await {
-            if stream.info().await.is_ok_and(|i| i.state.consumer_count >= 8) {
+            if stream.info().await.is_ok_and(|i| i.state.consumer_count >= partitions as usize) {
                 break stream;
             }
         }
@@ -606,7 +625,7 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
     while out.info().await.unwrap().state.messages < (total / 4) as u64 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let before = pins(&input).await;
+    let before = pins(&input, partitions).await;
     assert!(before.iter().all(Option::is_some), "every partition pinned: {before:?}");
     doomed.kill().unwrap();
     doomed.wait().unwrap();
@@ -614,13 +633,13 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
     assert!(stored > 0 && stored < total as u64, "killed mid-run: {stored} of {total}");
     publish_inputs(&js, &events, half..events.len()).await;
     let got = read_all(&mut out, total).await;
-    let after = pins(&input).await;
+    let after = pins(&input, partitions).await;
     // The messages the takeover read from the stream carry no ack of their own: they are
     // acknowledged when the consumer redelivers them (after ack_wait), as duplicates.
     let deadline = Instant::now() + Duration::from_secs(90);
     let unacknowledged = loop {
         let mut unacknowledged = 0;
-        for partition in 0..8 {
+        for partition in 0..partitions {
             let mut consumer: jetstream::consumer::PullConsumer =
                 input.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
             let info = consumer.info().await.unwrap();
@@ -639,7 +658,7 @@ async fn pinned_client_standby_takes_over_after_kill_9() {
     survivor.kill().unwrap();
     let _ = survivor.wait();
     // Replica 0 owned the even partitions: each must have a new pin (the standby's).
-    for partition in (0..8).step_by(2) {
+    for partition in (0..partitions as usize).step_by(2) {
         assert!(
             after[partition].is_some() && after[partition] != before[partition],
             "partition {partition} taken over: {before:?} -> {after:?}"
