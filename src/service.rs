@@ -168,6 +168,7 @@ impl RunningService {
                 .jetstream
                 .enabled
                 .then(|| async_nats::jetstream::ContextBuilder::new().timeout(CONFIRM_TIMEOUT).build(client.clone())),
+            input_stream: config.jetstream.stream.as_str().into(),
             captures: FastMap::default(),
             unconfirmed: FastMap::default(),
             unconfirmed_total: 0,
@@ -355,6 +356,9 @@ pub struct NatsSink {
     /// before the stream's input is acknowledged (a core publish can be lost when the server
     /// that took it dies before passing it on to the stream's leader).
     confirm: Option<async_nats::jetstream::Context>,
+    /// JetStream input: the input stream's name, for the message ids of forwarded input events
+    /// (see [`NatsSink::forward`]).
+    input_stream: Arc<str>,
     /// Whether a stream stores each output subject, and since when that is known.
     captures: FastMap<Arc<str>, (bool, Instant)>,
     /// Storage confirmations not yet awaited, per open stream.
@@ -486,6 +490,12 @@ struct Unconfirmed {
     output: Output,
 }
 
+/// Where a forwarded input event's acknowledgement goes (JetStream input only).
+struct Input {
+    ack: Option<Subject>,
+    sequence: Option<u64>,
+}
+
 /// What it takes to publish an output again (same `Nats-Msg-Id` header, so a copy that was stored
 /// after all is dropped by the stream).
 struct Output {
@@ -522,6 +532,7 @@ impl Clone for NatsSink {
             templates: OutputTemplates::default(),
             held: HeldAcks::default(),
             confirm: self.confirm.clone(),
+            input_stream: self.input_stream.clone(),
             captures: FastMap::default(),
             unconfirmed: FastMap::default(),
             unconfirmed_total: 0,
@@ -628,7 +639,6 @@ impl NatsSink {
     }
 
     async fn dead_letter_with_detail(&mut self, envelope: Envelope, reason: &'static str, detail: &str) {
-        self.ack(&envelope).await;
         if let Some(reason) = DeadLetterReason::from_label(reason) {
             self.metrics.count_dead_letter(reason);
         }
@@ -636,7 +646,72 @@ impl NatsSink {
         headers.insert(ERROR_HEADER, reason);
         headers.insert(ERROR_DETAIL_HEADER, detail);
         headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
-        self.send(OutputKind::DeadLetter, self.dead_letter.clone(), headers, envelope.payload).await;
+        let input = Input { ack: envelope.ack, sequence: envelope.sequence };
+        self.forward(OutputKind::DeadLetter, self.dead_letter.clone(), headers, envelope.payload, input).await;
+    }
+
+    /// Publishes an input event itself (a dead letter or a pass-through), then acknowledges the
+    /// input. Core NATS input has no ack. JetStream input: published before the ack, on the same
+    /// connection, so a connection lost in between loses the ack too and the event comes back;
+    /// when a stream stores `subject`, the ack waits for the confirmation of its storage, with the
+    /// retries outputs get (so the input stays unacknowledged while that stream refuses it, and
+    /// goes to the next owner if the service stops first). It carries
+    /// `Nats-Msg-Id: <input stream>:<stream sequence>` unless the producer set one, so a copy
+    /// published again after a lost confirmation, a restart or a takeover is dropped by a stream
+    /// that deduplicates.
+    async fn forward(
+        &mut self,
+        kind: OutputKind,
+        subject: Subject,
+        mut headers: HeaderMap,
+        payload: Bytes,
+        input: Input,
+    ) {
+        let (Some(reply), Some(sequence)) = (input.ack, input.sequence) else {
+            return self.send(kind, subject, headers, payload).await;
+        };
+        if headers.get(async_nats::header::NATS_MESSAGE_ID).is_none() {
+            // A stream name holds no line break (the server refuses one), nor does a number.
+            if let Some(id) = bus::header_value(format!("{}:{sequence}", self.input_stream)) {
+                headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+            }
+        }
+        // `captured` is false without a JetStream context.
+        let stored = match self.captured_subject(&subject).await.then_some(self.confirm.as_ref()).flatten() {
+            Some(js) => {
+                let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
+                match &sent {
+                    Ok(_) => self.metrics.count_published(kind),
+                    Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                        // It can never be stored: reported, and the input acknowledged, as with
+                        // core NATS output (holding it would stall the partition for good).
+                        self.metrics.count_publish_error(kind);
+                        tracing::error!(%subject, error = %e, "publish failed");
+                        return self.send_ack(reply).await;
+                    }
+                    Err(e) => {
+                        self.metrics.count_publish_error(kind);
+                        tracing::warn!(%subject, error = %e, "publish failed; it will be published again");
+                    }
+                }
+                self.await_confirmations(vec![Unconfirmed { sent, output: Output { subject, headers, payload } }]).await
+            }
+            _ => {
+                self.send(kind, subject, headers, payload).await;
+                true
+            }
+        };
+        if stored {
+            self.send_ack(reply).await;
+        } else {
+            tracing::warn!("stopping before an input event's own publication was confirmed; leaving it unacknowledged");
+        }
+    }
+
+    /// [`NatsSink::captured`] for a subject the configuration fixes (dead letters, pass-through).
+    async fn captured_subject(&mut self, subject: &Subject) -> bool {
+        let key: Arc<str> = subject.as_str().into();
+        self.captured(&key).await
     }
 }
 
@@ -716,15 +791,18 @@ impl ShardSink for NatsSink {
     }
 
     async fn pass_through(&mut self, envelope: Envelope) {
-        self.ack(&envelope).await;
-        match &self.pass_through {
+        match self.pass_through.clone() {
             Some(subject) => {
                 self.metrics.count_passed_through();
                 let mut headers = envelope.headers.unwrap_or_default();
                 headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
-                self.send(OutputKind::PassThrough, subject.clone(), headers, envelope.payload).await;
+                let input = Input { ack: envelope.ack, sequence: envelope.sequence };
+                self.forward(OutputKind::PassThrough, subject, headers, envelope.payload, input).await;
             }
-            None => self.metrics.count_dropped(DropReason::NoPassThroughSubject),
+            None => {
+                self.ack(&envelope).await;
+                self.metrics.count_dropped(DropReason::NoPassThroughSubject);
+            }
         }
     }
 

@@ -671,3 +671,85 @@ async fn pinned_takeover(partitions: u32, shards: u32) {
     assert_eq!(stored_later, 0, "no new output from the redeliveries");
     assert_eq!(dead_letters.len(), 0, "nothing dead-lettered");
 }
+
+/// The input messages of the 8 partition consumers not acknowledged yet.
+async fn input_ack_pending(input: &jetstream::stream::Stream) -> usize {
+    let mut pending = 0;
+    for partition in 0..8 {
+        let mut consumer: jetstream::consumer::PullConsumer =
+            input.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
+        pending += consumer.info().await.unwrap().num_ack_pending;
+    }
+    pending
+}
+
+/// JetStream input whose dead letters and pass-through events a stream stores: an input event is
+/// acknowledged only once that stream has confirmed storing it. The stream first takes one
+/// message only (`discard = new`), so the second forwarded event is refused: its input must stay
+/// unacknowledged (it was acknowledged before being published, and lost). Once the stream has
+/// room, the service's retry stores it and the input is acknowledged. Each carries
+/// `Nats-Msg-Id: CHAT_RAW:<input sequence>`, so copies published again are dropped.
+#[tokio::test]
+async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let forwarded_config = |max_messages| jetstream::stream::Config {
+        name: "FORWARDED".into(),
+        subjects: vec!["chat.passthrough".into(), "chat.dlq".into()],
+        max_messages,
+        discard: jetstream::stream::DiscardPolicy::New,
+        ..Default::default()
+    };
+    let mut forwarded = js.create_stream(forwarded_config(1)).await.unwrap();
+    let mut config = jetstream_config(&server.url());
+    config.input.pass_through_subject = "chat.passthrough".into();
+    let service = RunningService::start(config).await.unwrap();
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+
+    let events = [("m-pass", r#"{"type":"tool-call","meta":{"message_id":"m-pass"}}"#), ("m-dead", "not json")];
+    for (id, payload) in events {
+        js.publish(format!("chat.raw.{id}"), payload.into()).await.unwrap().await.unwrap();
+    }
+    let stored = |stream: &mut jetstream::stream::Stream| {
+        let mut stream = stream.clone();
+        async move { stream.info().await.unwrap().state.messages }
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stored(&mut forwarded).await < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Enough time for a wrong acknowledgement to arrive: the refused publish is retried every
+    // 100 ms to 1 s meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(stored(&mut forwarded).await, 1, "the stream refuses the second");
+    assert_eq!(input_ack_pending(&input).await, 1, "the refused event's input is not acknowledged");
+
+    js.update_stream(forwarded_config(10)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (stored(&mut forwarded).await < 2 || input_ack_pending(&input).await > 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(input_ack_pending(&input).await, 0, "acknowledged once stored");
+    let got = read_all(&mut forwarded, 2).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(got.len(), 2);
+    let mut ids: Vec<(String, String)> = got
+        .iter()
+        .map(|m| {
+            let headers = m.headers.as_ref().unwrap();
+            (m.subject.to_string(), headers.get("Nats-Msg-Id").unwrap().to_string())
+        })
+        .collect();
+    ids.sort();
+    let sequence_of = |id: &str| {
+        let subject = format!("chat.raw.p.{}.{id}", structured_sink::codec::subject::partition_of(id, 8));
+        let input = input.clone();
+        async move { input.get_last_raw_message_by_subject(&subject).await.unwrap().sequence }
+    };
+    let expected = vec![
+        ("chat.dlq".to_owned(), format!("CHAT_RAW:{}", sequence_of("m-dead").await)),
+        ("chat.passthrough".to_owned(), format!("CHAT_RAW:{}", sequence_of("m-pass").await)),
+    ];
+    assert_eq!(ids, expected);
+}
