@@ -725,8 +725,7 @@ impl ShardSink for NatsSink {
         // output was about 8% of the input task's time in JetStream mode.
         let confirm = self.captured(&publication.subject).await;
         // Confirmations are kept per stream (taken before the id moves into the header).
-        let stream_id: Option<Box<str>> =
-            confirm.then(|| publication.msg_id.rsplit_once(':').map_or("", |(id, _)| id).into());
+        let stream_id: Option<Box<str>> = confirm.then(|| publication.stream_id().into());
         let (subject, mut headers, kind) = self.templates.prepared(&publication);
         // The id is the stream id (checked for control characters when its event was decoded)
         // and a number, so it never holds a line break; were it to, the output is reported and

@@ -105,6 +105,13 @@ pub struct Publication {
     pub msg_id: String,
 }
 
+impl Publication {
+    /// The id of the stream it belongs to (`msg_id` without its sequence number).
+    pub fn stream_id(&self) -> &str {
+        self.msg_id.rsplit_once(':').map_or("", |(id, _)| id)
+    }
+}
+
 /// A stream's identity in the form every one of its messages needs.
 #[derive(Debug, Clone)]
 pub struct StreamHeader {

@@ -85,10 +85,19 @@ pub struct StreamTable {
     /// Streams closed since the last [`StreamTable::take_closed`].
     closed: Vec<Box<str>>,
     stats: TableStats,
-    /// Test hook: a delta with exactly this text panics inside [`StreamTable::apply`], to test
-    /// what the worker does when processing fails.
+    /// Test hook: a delta with exactly this text panics inside [`StreamTable::apply`], after its
+    /// stream is open (so after any eviction that made room for it), to test what the worker does
+    /// when processing fails.
     #[cfg(test)]
     pub(crate) panic_on_delta: Option<&'static str>,
+}
+
+/// Test hook: panics when `delta` is the failure trigger (see `StreamTable::panic_on_delta`).
+#[cfg(test)]
+fn inject_failure(trigger: Option<&str>, delta: &str) {
+    if trigger == Some(delta) {
+        panic!("injected failure");
+    }
 }
 
 impl StreamTable {
@@ -148,10 +157,6 @@ impl StreamTable {
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
             EventAction::Delta(delta) => {
-                #[cfg(test)]
-                if self.panic_on_delta == Some(delta.as_ref()) {
-                    panic!("injected failure");
-                }
                 // The common case, a delta of an open stream, costs one lookup of its id. (A stream
                 // is never open and finished at once: a finished id is never opened again while it
                 // is remembered.)
@@ -160,6 +165,8 @@ impl StreamTable {
                         return Disposition::Duplicate;
                     }
                     entry.to_back();
+                    #[cfg(test)]
+                    inject_failure(self.panic_on_delta, delta);
                     let open = entry.into_mut();
                     Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
                     return Disposition::Applied;
@@ -169,6 +176,8 @@ impl StreamTable {
                     return Disposition::Late;
                 }
                 self.ensure_open(event, now, sink, opened);
+                #[cfg(test)]
+                inject_failure(self.panic_on_delta, delta);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
                 Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
                 Disposition::Applied

@@ -122,7 +122,9 @@ impl<S: ShardSink> Shard<S> {
         };
         // A bug must cost one stream, not the shard: a panic while applying an event discards that
         // stream's (possibly half-updated) state and dead-letters the event, and the shard goes on
-        // with its other streams. Outputs the event had produced are dropped with it.
+        // with its other streams. Outputs the event had produced for its own stream are dropped
+        // with it; those of a stream it closed first (evicted to make room) are published, since
+        // that stream is closed and its input acknowledged.
         let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
         }));
@@ -141,9 +143,13 @@ impl<S: ShardSink> Shard<S> {
             Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
             Err(_) => {
-                outputs.clear();
-                table.discard(&event.stream.stream_id);
-                tracing::error!(shard = *index, stream_id = %event.stream.stream_id, "processing an event failed; the stream was discarded");
+                let failed = event.stream.stream_id.as_ref();
+                outputs.retain(|p| p.stream_id() != failed);
+                table.discard(failed);
+                tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
+                for p in outputs.drain(..) {
+                    sink.publish(p, None).await;
+                }
                 sink.dead_letter(envelope, "internal_error").await;
             }
         }
@@ -473,6 +479,40 @@ mod tests {
         assert_eq!(good.len(), 3, "the other stream is untouched: {log:?}");
         assert!(log.contains(&"closed good".to_owned()));
         assert!(!log.iter().any(|l| l.contains(" bad:2 ")), "nothing of the failed event is published: {log:?}");
+    }
+
+    #[tokio::test]
+    async fn a_failure_after_an_eviction_still_publishes_the_evicted_streams_last_outputs() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
+            let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
+            let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+            let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
+            let mut table = StreamTable::new(pipeline, encoder, limits);
+            table.panic_on_delta = Some("boom");
+            (table, log.clone())
+        });
+        let delta = |id: &str, text: &str, envelope| {
+            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
+        };
+        set.route(delta("old", "a <core:x:v1>half", 1)).await.unwrap();
+        // Opening `new` evicts `old` (one stream at most), then processing `new`'s delta fails.
+        set.route(delta("new", "boom", 2)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
+        // `old`'s block completes and its final text goes out, before `old` is closed (acknowledged).
+        let evicted: Vec<usize> = log
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.contains(" old:") && l.ends_with(" None"))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(evicted.len(), 2, "the block's completion and the final text: {log:?}");
+        assert!(evicted.iter().all(|&i| i < position("closed old")), "{log:?}");
+        assert!(position("dead 2 internal_error") < position("closed new"), "{log:?}");
+        assert!(!log.iter().any(|l| l.contains(" new:")), "nothing of the failed stream is published: {log:?}");
     }
 
     #[tokio::test]
