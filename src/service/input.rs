@@ -236,8 +236,12 @@ struct Pinned {
 
 /// A takeover's read of the stream.
 struct Rebuild {
-    /// The ordered read from the ack floor + 1; `None` once it has reached `through`.
+    /// The ordered read from `next`: `None` until it is opened, and again after it went idle.
     reader: Option<pull::Ordered>,
+    /// The next stream sequence to read (the ack floor + 1 at first).
+    next: u64,
+    /// Everything up to `through` has been read, or nothing is left to read.
+    done: bool,
     /// When the read counts as idle (see [`REBUILD_IDLE`]) unless a message comes first: a
     /// deadline, kept here so that a dropped [`JetStreamSource::next`] does not restart it.
     idle_at: tokio::time::Instant,
@@ -247,9 +251,27 @@ struct Rebuild {
     revealed: Envelope,
 }
 
-/// How long a takeover's stream read may go without a message before the messages up to its
-/// delivered sequence count as gone (removed by the stream's limits since they were delivered).
+/// How long a takeover's stream read may go without a message before it is opened again from
+/// where it stands. The new read either goes on (the old one had stalled: a leader election, a
+/// reconnect) or finds nothing left to read (the messages up to the delivered sequence were
+/// removed by the stream's limits since they were delivered), which ends the rebuild.
 const REBUILD_IDLE: Duration = Duration::from_secs(5);
+
+/// Opens an ordered read of `subject` in `stream` from stream sequence `from`; `None` when
+/// nothing of `subject` is stored from `from` on.
+async fn open_read(stream: &stream::Stream, subject: &str, from: u64) -> Result<Option<pull::Ordered>, String> {
+    use jetstream::consumer::DeliverPolicy;
+    let config = pull::OrderedConfig {
+        filter_subject: subject.to_owned(),
+        deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: from },
+        ..Default::default()
+    };
+    let consumer = stream.create_consumer(config).await.map_err(|e| e.to_string())?;
+    if consumer.cached_info().num_pending == 0 {
+        return Ok(None);
+    }
+    consumer.messages().await.map(Some).map_err(|e| e.to_string())
+}
 
 /// Opens the sources of this replica: subscriptions, or JetStream consumers.
 pub async fn open_sources(
@@ -576,18 +598,39 @@ impl JetStreamSource {
     async fn next_rebuilt(&mut self) -> Option<Envelope> {
         let pinned = self.pinned.as_mut()?;
         let rebuild = pinned.rebuild.as_mut()?;
-        while let Some(reader) = rebuild.reader.as_mut() {
+        while !rebuild.done {
+            let Some(reader) = rebuild.reader.as_mut() else {
+                match open_read(&pinned.stream, &pinned.subject, rebuild.next).await {
+                    Ok(Some(reader)) => {
+                        rebuild.reader = Some(reader);
+                        rebuild.idle_at = tokio::time::Instant::now() + REBUILD_IDLE;
+                    }
+                    Ok(None) => {
+                        if rebuild.next <= rebuild.through {
+                            tracing::warn!(subject = %pinned.subject, next = rebuild.next, through = rebuild.through, "takeover read: the rest up to the delivered sequence is no longer stored");
+                        }
+                        rebuild.done = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, subject = %pinned.subject, "opening a stream read for a takeover failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+                continue;
+            };
             match tokio::time::timeout_at(rebuild.idle_at, reader.next()).await {
                 Ok(Some(Ok(message))) => {
                     rebuild.idle_at = tokio::time::Instant::now() + REBUILD_IDLE;
                     let Ok(info) = message.info() else { continue };
                     let (sequence, pending) = (info.stream_sequence, info.pending);
+                    rebuild.next = sequence + 1;
                     if sequence > rebuild.through {
-                        rebuild.reader = None;
+                        // The consumer delivers it: it is above the delivered sequence.
+                        rebuild.done = true;
                         break;
                     }
                     if sequence == rebuild.through || pending == 0 {
-                        rebuild.reader = None;
+                        rebuild.done = true;
                     }
                     let mut envelope = Envelope::jetstream(message);
                     // Read, not delivered: its ack goes with the consumer's own redelivery later.
@@ -602,7 +645,11 @@ impl JetStreamSource {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Ok(None) | Err(_) => {
-                    tracing::warn!(subject = %pinned.subject, through = rebuild.through, "takeover read ended before the delivered sequence");
+                    // Giving up here would hand on the revealing delivery with the rest unread:
+                    // the later events of the streams open at the takeover, acknowledged by the
+                    // previous owner, would never be applied. Reading again from here cannot
+                    // lose them; it only waits while the stream cannot be read.
+                    tracing::warn!(subject = %pinned.subject, next = rebuild.next, through = rebuild.through, "takeover read idle; opening it again");
                     rebuild.reader = None;
                 }
             }
@@ -618,7 +665,6 @@ impl Pinned {
     /// from the stream before handing on `revealed` (the first delivery under the new pin).
     /// Dropped before it returns, it starts again on the next call (`revealed` stays in place).
     async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer) {
-        use jetstream::consumer::DeliverPolicy;
         let (floor, delivered) = loop {
             match consumer.get_info().await {
                 Ok(info) => break (info.ack_floor.stream_sequence, info.delivered.stream_sequence),
@@ -630,34 +676,12 @@ impl Pinned {
         };
         tracing::info!(subject = %self.subject, floor, delivered, "pinned to this replica: rebuilding from the ack floor");
         self.rebuilt_through = self.rebuilt_through.max(delivered);
-        if delivered <= floor {
-            let Some(revealed) = self.revealed.take() else { return };
-            self.rebuild =
-                Some(Rebuild { reader: None, idle_at: tokio::time::Instant::now(), through: delivered, revealed });
-            return;
-        }
-        let config = pull::OrderedConfig {
-            filter_subject: self.subject.clone(),
-            deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: floor + 1 },
-            ..Default::default()
-        };
-        let reader = loop {
-            let opened = match self.stream.create_consumer(config.clone()).await {
-                Ok(reader) => reader.messages().await.map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            match opened {
-                Ok(reader) => break reader,
-                Err(e) => {
-                    tracing::warn!(error = %e, subject = %self.subject, "opening a stream read for a takeover failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        };
         let Some(revealed) = self.revealed.take() else { return };
         self.rebuild = Some(Rebuild {
-            reader: Some(reader),
-            idle_at: tokio::time::Instant::now() + REBUILD_IDLE,
+            reader: None,
+            next: floor + 1,
+            done: delivered <= floor,
+            idle_at: tokio::time::Instant::now(),
             through: delivered,
             revealed,
         });
