@@ -146,6 +146,13 @@ impl RunningService {
 
         let registry = config.load_schemas()?;
         let (pipeline, encoder) = config.processing(&registry)?;
+        // Everything that can refuse to start does so before any input is consumed: a start that
+        // fails must not leave tasks behind that consume (and acknowledge) input.
+        let listener = match config.http.enabled {
+            true => Some(bind(&config.http.listen).await?),
+            false => None,
+        };
+        let (api, status) = register(&client, &metrics, registry).await?;
         let limits = TableLimits {
             idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
             max_streams: (config.shards.max_streams / config.shard_count()).max(1),
@@ -230,26 +237,15 @@ impl RunningService {
             "subscribed"
         );
 
-        let (api, status) = register(&client, &metrics, registry).await?;
-
         let http_stop = CancellationToken::new();
-        let http = if config.http.enabled {
-            let listener = tokio::net::TcpListener::bind(&config.http.listen)
-                .await
-                .map_err(|error| ServiceError::Listen { address: config.http.listen.clone(), error })?;
-            let address = listener
-                .local_addr()
-                .map_err(|error| ServiceError::Listen { address: config.http.listen.clone(), error })?;
+        let http = listener.map(|(listener, address)| {
             let stop = http_stop.clone();
             let server = http::serve(listener, metrics.clone(), readiness.clone(), async move {
                 stop.cancelled().await;
             });
-            let task = tokio::spawn(server);
             tracing::info!(%address, "serving /metrics, /healthz and /readyz");
-            Some((address, task))
-        } else {
-            None
-        };
+            (address, tokio::spawn(server))
+        });
 
         Ok(RunningService {
             client,
@@ -287,8 +283,12 @@ impl RunningService {
         let started = Instant::now();
         let result = tokio::time::timeout(timeout, self.stop_in_order()).await;
         self.http_stop.cancel();
-        if let Some((_, task)) = self.http.take() {
-            let _ = task.await;
+        if let Some((_, mut task)) = self.http.take() {
+            // Open connections end gracefully; one whose client does not read its response must
+            // not hold the shutdown past this.
+            if tokio::time::timeout(HTTP_STOP_GRACE, &mut task).await.is_err() {
+                task.abort();
+            }
         }
         match result {
             Ok(()) => {
@@ -329,6 +329,17 @@ impl RunningService {
             status.abort();
         }
     }
+}
+
+/// How long the HTTP endpoint's open connections may take to end at shutdown.
+const HTTP_STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// Binds the HTTP endpoint's listener on `listen` (`HOST:PORT`), with the address it got.
+async fn bind(listen: &str) -> Result<(tokio::net::TcpListener, std::net::SocketAddr), ServiceError> {
+    let error = |error| ServiceError::Listen { address: listen.to_owned(), error };
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(error)?;
+    let address = listener.local_addr().map_err(error)?;
+    Ok((listener, address))
 }
 
 /// Counters last reported by a shard, to turn totals into increments.

@@ -753,3 +753,18 @@ async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
     ];
     assert_eq!(ids, expected);
 }
+
+/// A start-up that fails (here: the HTTP port is taken) fails before anything consumes input: no
+/// stream or consumer is created, and no task is left behind to acknowledge events.
+#[tokio::test]
+async fn a_failed_start_consumes_nothing() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut config = jetstream_config(&server.url());
+    config.http.enabled = true;
+    config.http.listen = taken.local_addr().unwrap().to_string();
+    let error = RunningService::start(config).await.err().expect("the port is taken");
+    assert!(error.to_string().contains(&taken.local_addr().unwrap().to_string()), "{error}");
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    assert!(js.get_stream("CHAT_RAW").await.is_err(), "no input stream (nor consumers) created");
+}
