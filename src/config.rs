@@ -601,10 +601,11 @@ impl Config {
         for (key, value) in env.only(&VERBATIM_KEYS).iter() {
             figment = figment.merge(Serialized::global(key.as_str(), value));
         }
-        for item in overrides {
-            let (key, value) = item
-                .split_once('=')
-                .ok_or_else(|| ConfigError::invalid(item.clone(), "expected --set section.key=value"))?;
+        for (index, item) in overrides.iter().enumerate() {
+            // Not echoed: it may be a secret typed with the wrong separator.
+            let (key, value) = item.split_once('=').ok_or_else(|| {
+                ConfigError::invalid("--set", format!("argument {} is not section.key=value", index + 1))
+            })?;
             let key = key.trim();
             // The value is TOML (`42`, `true`, `"x"`, `["a", "b"]`), or else a bare string; a
             // secret is a TOML string or else exactly as written.
@@ -948,6 +949,18 @@ mod tests {
                 assert!(err.contains("input.subjects") && err.contains("feedback"), "{input}: {err}");
             }
             assert!(Config::load(None, &["input.subjects=[\"chat.raw.*\"]".into()]).is_ok());
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_set_without_equals_is_refused_without_echoing_it() {
+        Jail::expect_with(|_| {
+            let err = Config::load(None, &["pipeline.malformed=\"drop\"".into(), "nats.password:hunter2".into()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--set") && err.contains("argument 2"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
             Ok(())
         });
     }

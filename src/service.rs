@@ -138,7 +138,8 @@ impl RunningService {
         readiness.set_connected(true);
         let max_payload = client.server_info().max_payload;
         tracing::info!(
-            servers = ?config.nats.servers,
+            // Masked: a URL may carry credentials.
+            servers = ?config.nats.masked().servers,
             server_version = %client.server_info().version,
             max_payload,
             "connected to NATS"

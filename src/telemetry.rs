@@ -162,15 +162,16 @@ pub fn init(cfg: &TelemetryConfig) -> Result<TelemetryGuard, TelemetryError> {
     Ok(TelemetryGuard { provider })
 }
 
-/// Libraries whose TRACE events print message payloads (async-nats logs every protocol
-/// operation with its bytes at TRACE). They are capped at DEBUG whatever `RUST_LOG` or
-/// `telemetry.log_filter` say, so that payload text never reaches a log line.
+/// Libraries whose low-level events print secrets or payloads: async-nats logs every protocol
+/// operation with its bytes at TRACE, and each server address it tries at DEBUG with the
+/// address's `Debug` form, which spells out a password written in the URL. They are capped at
+/// INFO whatever `RUST_LOG` or `telemetry.log_filter` say, so that neither reaches a log line.
 const PAYLOAD_TARGETS: &[&str] = &["async_nats"];
 
 /// The log layer's filter that applies [`PAYLOAD_TARGETS`].
 fn payload_guard() -> Targets {
     PAYLOAD_TARGETS.iter().fold(Targets::new().with_default(LevelFilter::TRACE), |targets, target| {
-        targets.with_target(*target, LevelFilter::DEBUG)
+        targets.with_target(*target, LevelFilter::INFO)
     })
 }
 

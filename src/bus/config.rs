@@ -26,8 +26,10 @@ pub struct NatsConfig {
     /// NATS server URLs, for example `nats://10.0.0.1:4222` or `tls://nats.example:4222`
     /// (`host:port` alone means `nats://host:port`). The client tries them in random order and
     /// fails over between them; servers a cluster advertises are added automatically.
-    /// Credentials may be given in a URL (`nats://user:password@host:4222`); they are masked
-    /// when the configuration is printed. Must not be empty.
+    /// Credentials may be given in a URL (`nats://user:password@host:4222`, or
+    /// `nats://token@host:4222`, percent-encoded where needed); every URL that carries some must
+    /// carry the same, they count as one kind of authentication, and they are masked wherever the
+    /// configuration or a server address is printed or logged. Must not be empty.
     /// Default: `["nats://127.0.0.1:4222"]`.
     pub servers: Vec<String>,
 
@@ -228,6 +230,34 @@ impl NatsConfig {
         Ok(())
     }
 
+    /// The credentials the server URLs carry, percent-decoded: the same in every URL that carries
+    /// any (a connection presents one set to whichever server it reaches), or an error naming the
+    /// first URL that differs. async-nats does not read them from the URLs itself.
+    pub(crate) fn url_credentials(&self) -> Result<Option<UrlCredentials>, BusError> {
+        let mut found: Option<(usize, UrlCredentials)> = None;
+        for (index, url) in self.servers.iter().enumerate() {
+            let Ok(address) = url.parse::<async_nats::ServerAddr>() else { continue };
+            let Some(user) = address.username() else { continue };
+            let credentials = match address.password() {
+                Some(password) => {
+                    UrlCredentials::UserPassword { user: percent_decoded(user), password: percent_decoded(password) }
+                }
+                None => UrlCredentials::Token(percent_decoded(user)),
+            };
+            match &found {
+                None => found = Some((index, credentials)),
+                Some((first, known)) if *known != credentials => {
+                    return Err(BusError::config(
+                        format!("servers[{index}]"),
+                        format!("carries other credentials than servers[{first}]; one connection presents one set to every server"),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(found.map(|(_, credentials)| credentials))
+    }
+
     fn validate_auth(&self) -> Result<(), BusError> {
         match (&self.user, &self.password) {
             (Some(_), None) => {
@@ -236,7 +266,9 @@ impl NatsConfig {
             (None, Some(_)) => return Err(BusError::config("user", "`password` is set, so `user` must be set too")),
             _ => {}
         }
+        let in_url = self.url_credentials()?.is_some();
         let kinds: Vec<&str> = [
+            in_url.then_some("servers"),
             self.credentials_file.is_some().then_some("credentials_file"),
             self.nkey_seed.is_some().then_some("nkey_seed"),
             self.user.is_some().then_some("user"),
@@ -295,6 +327,41 @@ impl fmt::Debug for NatsConfig {
 
 /// Masks the secret part of the user info in a server URL: the password of `user:password@`,
 /// or the whole of `token@`. Anything that is not such a URL is returned unchanged.
+/// Credentials written into a server URL.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum UrlCredentials {
+    /// `user:password@`.
+    UserPassword { user: String, password: String },
+    /// `token@`.
+    Token(String),
+}
+
+/// `text` with its `%XX` escapes decoded (a URL's user information); an escape that is not two
+/// hex digits stays as written.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 pub(crate) fn mask_url_secret(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return mask_authority(url, "");
@@ -423,6 +490,19 @@ mod tests {
             ("ping_interval_ms", NatsConfig { ping_interval_ms: 0, ..base() }),
             ("subscription_capacity", NatsConfig { subscription_capacity: 0, ..base() }),
             ("max_reconnects", NatsConfig { max_reconnects: Some(0), ..base() }),
+            (
+                "servers[1]",
+                NatsConfig { servers: vec!["nats://u:p@a:4222".into(), "nats://u:q@b:4222".into()], ..base() },
+            ),
+            (
+                "user",
+                NatsConfig {
+                    servers: vec!["nats://t@a".into()],
+                    user: Some("u".into()),
+                    password: Some("p".into()),
+                    ..base()
+                },
+            ),
         ];
         for (expected, config) in cases {
             assert_eq!(key_of(config.validate()), expected, "{config:?}");
@@ -463,6 +543,27 @@ mod tests {
         let config = NatsConfig { servers: vec!["http://u:hunter2@b:80".into()], ..NatsConfig::default() };
         let message = config.validate().unwrap_err().to_string();
         assert!(!message.contains("hunter2"), "{message}");
+    }
+
+    #[test]
+    fn credentials_in_server_urls_are_read_percent_decoded_and_must_agree() {
+        let of = |servers: &[&str]| {
+            NatsConfig { servers: servers.iter().map(|s| s.to_string()).collect(), ..NatsConfig::default() }
+                .url_credentials()
+                .unwrap()
+        };
+        assert!(of(&["nats://a:4222", "b:4222"]).is_none());
+        assert!(
+            of(&["nats://a:4222", "nats://sink:p%40ss%2Fw%3Ard@b:4222"])
+                == Some(UrlCredentials::UserPassword { user: "sink".into(), password: "p@ss/w:rd".into() })
+        );
+        assert!(of(&["nats://tok%25en@a", "nats://tok%25en@b"]) == Some(UrlCredentials::Token("tok%en".into())));
+        assert_eq!(percent_decoded("100%"), "100%", "an incomplete escape stays as written");
+        assert_eq!(percent_decoded("%zz%4"), "%zz%4");
+        let differing =
+            NatsConfig { servers: vec!["nats://u:p@a".into(), "nats://u:q@b".into()], ..NatsConfig::default() };
+        let error = differing.validate().unwrap_err().to_string();
+        assert!(error.contains("servers[1]") && !error.contains(":p@") && !error.contains(":q@"), "{error}");
     }
 
     #[test]

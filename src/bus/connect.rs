@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions, Event, ServerError};
 
-use super::config::mask_url_secret;
+use super::config::{mask_url_secret, UrlCredentials};
 use super::{BusError, NatsConfig};
 
 /// What happened to the connection, as reported by the client library.
@@ -204,6 +204,11 @@ async fn connect_options(
     }
     if let Some(token) = &cfg.token {
         options = options.token(token.clone());
+    }
+    match cfg.url_credentials()? {
+        Some(UrlCredentials::UserPassword { user, password }) => options = options.user_and_password(user, password),
+        Some(UrlCredentials::Token(token)) => options = options.token(token),
+        None => {}
     }
 
     let tls = &cfg.tls;

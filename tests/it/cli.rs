@@ -132,3 +132,46 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
     assert_eq!((last.finish_reason.as_str(), last.text.as_str()), ("shutdown", "unfinished"));
     assert!(String::from_utf8_lossy(&status.stderr).contains("stopped"));
 }
+
+/// Credentials in a server URL authenticate the service and never reach the logs, at any level:
+/// not in the "connected" line, not in the NATS client's own debug lines (which print each server
+/// address it tries).
+#[tokio::test]
+async fn serve_never_logs_the_credentials_in_a_server_url() {
+    let server = NatsServer::builder().config(r#"authorization { user: "sink", password: "pw-s3cret" }"#).start();
+    let port = server.url().rsplit(':').next().unwrap().to_owned();
+    let url = format!("nats://sink:pw-s3cret@127.0.0.1:{port}");
+    // async-nats itself ignores credentials in a URL: the service reads them (tested here too).
+    let client = async_nats::ConnectOptions::with_user_and_password("sink".into(), "pw-s3cret".into())
+        .connect(server.url())
+        .await
+        .unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let child = binary()
+        .arg("serve")
+        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{url}\"]"))
+        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
+        .env("RUST_LOG", "trace")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = false;
+    for _ in 0..100 {
+        client.publish("chat", r#"{"type":"final","meta":{"message_id":"probe"},"text":"x"}"#.into()).await.unwrap();
+        if let Ok(Some(_)) =
+            tokio::time::timeout(Duration::from_millis(100), futures::StreamExt::next(&mut filtered)).await
+        {
+            ready = true;
+            break;
+        }
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(ready, "the service never answered: {logs}");
+    assert!(logs.contains("connected to NATS"), "{logs}");
+    assert!(!logs.contains("pw-s3cret"), "the password is logged: {logs}");
+}

@@ -389,7 +389,9 @@ async fn payload_text_never_reaches_logs_spans_or_metric_labels() {
 
     let mut text = String::new();
     std::fs::File::open(&log).unwrap().read_to_string(&mut text).unwrap();
-    assert!(text.lines().count() > 20, "trace logging was on:\n{text}");
+    // async-nats is capped at INFO whatever the filter; the service's own DEBUG lines show the
+    // filter was open.
+    assert!(text.contains("DEBUG structured_sink"), "trace logging was on:\n{text}");
     assert!(text.contains("dead-lettering an event"), "the bad events were logged about:\n{text}");
     let leaks: Vec<&str> = text.lines().filter(|l| l.contains(m)).collect();
     assert!(leaks.is_empty(), "payload text in {} log lines:\n{}", leaks.len(), leaks.join("\n"));
