@@ -289,14 +289,21 @@ impl OutputEncoder {
                 (tag.subject.clone(), proto::names::BLOCK_EVENT, payload)
             }
             OutputKind::BlockSnapshot { item, value } => {
+                // Too deep to decode: the snapshot goes out empty (the block's `completed` says why).
+                let value = Some(*value).filter(|v| nests_within(v, MAX_VALUE_DEPTH));
                 let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
-                let typed = typed.and_then(|t| t.convert_partial(value).map(|m| t.to_any(&m)));
-                let snapshot = proto::BlockSnapshot { value: Some(json_to_value(value)), typed };
+                let typed = value.zip(typed).and_then(|(v, t)| t.convert_partial(v).map(|m| t.to_any(&m)));
+                let snapshot = proto::BlockSnapshot { value: value.map(json_to_value), typed };
                 self.block(header, seq, *item, proto::block_event::Event::Snapshot(snapshot))
             }
             OutputKind::BlockCompleted { item, raw, value, error } => {
                 let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
+                let too_deep = value.is_some_and(|v| !nests_within(v, MAX_VALUE_DEPTH));
                 let (typed, error) = match (value, typed, error) {
+                    (Some(_), _, None) if too_deep => {
+                        self.stats.too_deep += 1;
+                        (None, Some(too_deep_error("payload nests")))
+                    }
                     (Some(value), Some(t), None) => match t.convert(value) {
                         Ok(message) => (Some(t.to_any(&message)), None),
                         Err(e) => {
@@ -314,7 +321,7 @@ impl OutputEncoder {
                     success: error.is_none(),
                     error: error.unwrap_or_default(),
                     typed,
-                    value: value.map(json_to_value),
+                    value: value.filter(|_| !too_deep).map(json_to_value),
                 };
                 self.block(header, seq, *item, proto::block_event::Event::Completed(completed))
             }
@@ -345,6 +352,10 @@ impl OutputEncoder {
                     ..Default::default()
                 };
                 match call {
+                    Ok(call) if !nests_within(&call.arguments, MAX_VALUE_DEPTH) => {
+                        msg.success = false;
+                        msg.error = too_deep_error("arguments nest");
+                    }
                     Ok(call) => {
                         msg.tool_name.clone_from(&call.tool_name);
                         msg.server_name.clone_from(&call.server_name);
@@ -553,6 +564,29 @@ fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
     buf.freeze()
 }
 
+/// How deeply a JSON value may nest (arrays and objects) to travel as a `google.protobuf.Value`
+/// or `Struct`. Each JSON level costs two or three protobuf message levels (`Value`, then
+/// `ListValue` or `Struct` and its map entry), and decoders refuse messages nested deeper than
+/// 100 (prost, prost-reflect, the C++ and Java runtimes): a deeper value would be published and
+/// then fail every consumer's decode. Measured with prost: objects in a `BlockEvent`'s value decode
+/// up to 32 levels and in a `ToolCall`'s arguments up to 33; 30 leaves a margin.
+pub const MAX_VALUE_DEPTH: usize = 30;
+
+/// Whether `v` nests at most `levels` arrays or objects deep (a scalar nests 0).
+pub fn nests_within(v: &serde_json::Value, levels: usize) -> bool {
+    match v {
+        serde_json::Value::Array(a) => levels > 0 && a.iter().all(|c| nests_within(c, levels - 1)),
+        serde_json::Value::Object(o) => levels > 0 && o.values().all(|c| nests_within(c, levels - 1)),
+        _ => true,
+    }
+}
+
+/// The error of a block or tool call whose value nests deeper than [`MAX_VALUE_DEPTH`]
+/// (`what`: "payload nests", "arguments nest").
+fn too_deep_error(what: &str) -> String {
+    format!("{what} deeper than {MAX_VALUE_DEPTH} levels, which protobuf consumers could not decode")
+}
+
 /// Converts a JSON value into a `google.protobuf.Value`.
 pub fn json_to_value(v: &serde_json::Value) -> prost_types::Value {
     use prost_types::value::Kind;
@@ -699,6 +733,52 @@ mod tests {
     fn block_subject_escapes_dots_in_parts() {
         let (_, encoder, _) = setup();
         assert_eq!(encoder.block_subject(0), Some("chat.structured.app.Mode%2ESwitch.v1%2E2"));
+    }
+
+    #[test]
+    fn values_nested_too_deep_for_protobuf_decoders_fail_their_block_or_call_instead() {
+        let arrays = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+        let objects = |depth: usize| format!("{}1{}", r#"{"a":"#.repeat(depth), "}".repeat(depth));
+        for (depth, fits) in [(MAX_VALUE_DEPTH, true), (MAX_VALUE_DEPTH + 1, false)] {
+            let (mut pipeline, mut encoder, header) = setup();
+            let mut s = StreamState::new();
+            let mut pubs = Vec::new();
+            let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
+            let text = format!(
+                r#"<app:Mode.Switch:v1.2>{}</app:Mode.Switch:v1.2><tool>{{"tool_name":"x","arguments":{}}}</tool>"#,
+                arrays(depth),
+                objects(depth)
+            );
+            pipeline.feed(&mut s, &text, &mut sink);
+            pipeline.finish(&mut s, None, "stop", &mut sink);
+            let (mut completed, mut tool) = (None, None);
+            for p in &pubs {
+                // Every message published decodes, whatever it carries.
+                match p.type_name {
+                    proto::names::BLOCK_EVENT => match proto::BlockEvent::decode(p.payload.clone()).unwrap().event {
+                        Some(proto::block_event::Event::Completed(c)) => completed = Some(c),
+                        Some(proto::block_event::Event::Snapshot(snapshot)) => {
+                            assert_eq!(snapshot.value.is_some(), fits)
+                        }
+                        _ => {}
+                    },
+                    proto::names::TOOL_CALL => tool = Some(proto::ToolCall::decode(p.payload.clone()).unwrap()),
+                    _ => drop(proto::FilteredText::decode(p.payload.clone()).unwrap()),
+                }
+            }
+            let (completed, tool) = (completed.unwrap(), tool.unwrap());
+            assert_eq!((completed.success, completed.value.is_some()), (fits, fits), "{depth}: {}", completed.error);
+            assert_eq!((tool.success, tool.arguments.is_some()), (fits, fits), "{depth}: {}", tool.error);
+            if !fits {
+                assert!(completed.error.contains("nests deeper than 30 levels"), "{}", completed.error);
+                assert!(tool.error.contains("arguments nest"), "{}", tool.error);
+                assert_eq!(encoder.stats().too_deep, 1, "the block is counted");
+            }
+        }
+        // Without the limit: a call's arguments a few levels deeper are published undecodable.
+        let value: serde_json::Value = serde_json::from_str(&objects(MAX_VALUE_DEPTH + 4)).unwrap();
+        let call = proto::ToolCall { arguments: json_to_struct(&value), ..Default::default() };
+        assert!(proto::ToolCall::decode(call.encode_to_vec().as_slice()).is_err());
     }
 
     #[test]
