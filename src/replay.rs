@@ -56,14 +56,19 @@ pub fn replay(
     let mut summary = ReplaySummary::default();
     let now = Instant::now();
     let mut published = Vec::new();
-    for (index, line) in input.lines().enumerate() {
-        let line = line?;
+    // Lines as bytes: a line that is not UTF-8 is a bad event like any other (the service decodes
+    // bytes too), not the end of the replay.
+    for (index, line) in input.split(b'\n').enumerate() {
+        let mut line = line?;
+        if line.last() == Some(&b'\r') {
+            line.pop();
+        }
         let number = index + 1;
         summary.lines += 1;
-        if line.trim().is_empty() {
+        if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let event = match decode(line.as_bytes(), config.input.max_event_bytes) {
+        let event = match decode(&line, config.input.max_event_bytes) {
             Ok(event) => event,
             Err(e) => {
                 summary.rejected += 1;
@@ -74,14 +79,20 @@ pub fn replay(
         match table.apply(&event, None, now, &mut |p| published.push(p), &mut |_| {}) {
             Disposition::Applied | Disposition::Duplicate => {}
             Disposition::PassThrough if !config.input.pass_through_subject.is_empty() => {
-                let message: serde_json::Value = serde_json::from_str(&line)?;
-                let record = serde_json::json!({
-                    "subject": config.input.pass_through_subject,
-                    "type": "geppetto.Event",
-                    "message": message,
-                });
-                summary.published += 1;
-                writeln!(out, "{record}")?;
+                // The service forwards the bytes unchanged; serde_json refuses a few that the event
+                // decoder skips in fields it does not read (a number beyond f64, a lone surrogate).
+                match serde_json::from_slice::<serde_json::Value>(&line) {
+                    Ok(message) => {
+                        let record = serde_json::json!({
+                            "subject": config.input.pass_through_subject,
+                            "type": "geppetto.Event",
+                            "message": message,
+                        });
+                        summary.published += 1;
+                        writeln!(out, "{record}")?;
+                    }
+                    Err(e) => writeln!(err, "line {number}: forwarded unchanged, but cannot be shown as JSON: {e}")?,
+                }
             }
             Disposition::PassThrough => {}
             Disposition::Late => {
@@ -90,17 +101,34 @@ pub fn replay(
             }
         }
         for p in published.drain(..) {
-            summary.published += 1;
-            write_publication(&mut out, &p, registry.descriptor_pool())?;
+            summary.published += write_or_report(&mut out, &mut err, &p, registry.descriptor_pool(), number)?;
         }
     }
     table.close_all("shutdown", &mut |p| published.push(p));
     for p in published {
-        summary.published += 1;
-        write_publication(&mut out, &p, registry.descriptor_pool())?;
+        summary.published += write_or_report(&mut out, &mut err, &p, registry.descriptor_pool(), summary.lines)?;
     }
     out.flush()?;
     Ok(summary)
+}
+
+/// Writes `p` (caused by line `number`) and returns 1, or reports on `err` why it cannot be shown
+/// and returns 0: one message that cannot be rendered does not end the replay.
+fn write_or_report(
+    out: &mut impl Write,
+    err: &mut impl Write,
+    p: &Publication,
+    pool: &DescriptorPool,
+    number: usize,
+) -> io::Result<usize> {
+    match write_publication(out, p, pool) {
+        Ok(()) => Ok(1),
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            writeln!(err, "line {number}: message {} on {} cannot be shown: {e}", p.msg_id, p.subject)?;
+            Ok(0)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Writes one publication as a JSON line.
@@ -128,4 +156,32 @@ pub fn publication_json(p: &Publication, pool: &DescriptorPool) -> io::Result<se
     let message = DynamicMessage::decode(descriptor, p.payload.clone()).map_err(|e| invalid(e.to_string()))?;
     let options = SerializeOptions::new().use_proto_field_name(true);
     message.serialize_with_options(serde_json::value::Serializer, &options).map_err(|e| invalid(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_the_service_would_take_or_refuse_never_ends_the_replay() {
+        let mut config = Config::default();
+        config.input.pass_through_subject = "chat.passthrough".into();
+        let mut input = Vec::new();
+        input.extend_from_slice(b"{\"type\":\"partial\",\"meta\":{\"message_id\":\"m\"},\"delta\":\"a \"}\n");
+        // Not UTF-8: refused, like a bad event.
+        input.extend_from_slice(b"{\"type\":\"partial\",\"meta\":{\"message_id\":\"m\"},\"delta\":\"\xff\"}\n");
+        // Not text, so forwarded unchanged; serde_json cannot show either as a value.
+        input.extend_from_slice(b"{\"type\":\"usage\",\"meta\":{\"message_id\":\"u\"},\"n\":1e400}\r\n");
+        input.extend_from_slice(b"{\"type\":\"usage\",\"meta\":{\"message_id\":\"u\"},\"s\":\"\\ud800\"}\n");
+        input.extend_from_slice(b"{\"type\":\"final\",\"meta\":{\"message_id\":\"m\"},\"text\":\"a b\"}\n");
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let summary = replay(&config, input.as_slice(), &mut out, &mut err).unwrap();
+        let (out, err) = (String::from_utf8(out).unwrap(), String::from_utf8(err).unwrap());
+        assert_eq!((summary.lines, summary.rejected), (5, 1), "{err}");
+        assert!(err.contains("line 2: invalid JSON"), "{err}");
+        assert!(err.contains("line 3: forwarded unchanged") && err.contains("line 4: forwarded unchanged"), "{err}");
+        // The final after them was applied: the stream's last message carries the whole text.
+        let last: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        assert_eq!((last["message"]["final"].as_bool(), last["message"]["text"].as_str()), (Some(true), Some("a b")));
+    }
 }
