@@ -134,7 +134,32 @@ impl RunningService {
                 }
             }
         };
+        // HTTP first: while start-up waits for NATS (`nats.retry_on_initial_connect`), `/healthz`
+        // answers and `/readyz` says not ready. A start that fails stops it again (the guard).
+        let http_stop = CancellationToken::new();
+        let http_guard = http_stop.clone().drop_guard();
+        let http = match config.http.enabled {
+            true => {
+                let (listener, address) = bind(&config.http.listen).await?;
+                let stop = http_stop.clone();
+                let server = http::serve(listener, metrics.clone(), readiness.clone(), async move {
+                    stop.cancelled().await;
+                });
+                tracing::info!(%address, "serving /metrics, /healthz and /readyz");
+                Some((address, tokio::spawn(server)))
+            }
+            false => None,
+        };
         let client = bus::connect(&config.nats, events).await?;
+        // With `retry_on_initial_connect` the client comes back before any connection exists, and
+        // everything below needs one (the server's version and limits, the mapping probe, the
+        // consumers): wait for it, as long as it takes.
+        if client.connection_state() != async_nats::connection::State::Connected {
+            tracing::warn!("waiting for a NATS server to accept the connection");
+            while client.connection_state() != async_nats::connection::State::Connected {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         readiness.set_connected(true);
         let max_payload = client.server_info().max_payload;
         tracing::info!(
@@ -149,10 +174,6 @@ impl RunningService {
         let (pipeline, encoder) = config.processing(&registry)?;
         // Everything that can refuse to start does so before any input is consumed: a start that
         // fails must not leave tasks behind that consume (and acknowledge) input.
-        let listener = match config.http.enabled {
-            true => Some(bind(&config.http.listen).await?),
-            false => None,
-        };
         let (api, status) = register(&client, &metrics, registry).await?;
         let limits = TableLimits {
             idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
@@ -238,15 +259,7 @@ impl RunningService {
             "subscribed"
         );
 
-        let http_stop = CancellationToken::new();
-        let http = listener.map(|(listener, address)| {
-            let stop = http_stop.clone();
-            let server = http::serve(listener, metrics.clone(), readiness.clone(), async move {
-                stop.cancelled().await;
-            });
-            tracing::info!(%address, "serving /metrics, /healthz and /readyz");
-            (address, tokio::spawn(server))
-        });
+        http_guard.disarm();
 
         Ok(RunningService {
             client,

@@ -74,8 +74,9 @@ pub struct NatsConfig {
     pub connect_timeout_ms: u64,
 
     /// When `false`, start-up fails with a clear error if no server can be reached on the
-    /// first try. When `true`, the service starts anyway and keeps trying in the background
-    /// (it is not ready until connected). Default: `false`.
+    /// first try. When `true`, start-up waits, retrying in the background, until a server
+    /// accepts the connection: meanwhile `/healthz` answers and `/readyz` says not ready.
+    /// Default: `false`.
     pub retry_on_initial_connect: bool,
 
     /// Upper bound of the reconnect backoff, in milliseconds. After a disconnect the first

@@ -429,3 +429,49 @@ async fn geppetto_json_output_keeps_each_streams_vocabulary() {
     // Typed events stay protobuf.
     assert_eq!(block[0].headers.as_ref().unwrap().get("Content-Type").unwrap().as_str(), "application/x-protobuf");
 }
+
+/// `nats.retry_on_initial_connect`: with no server reachable, start-up waits for one, alive
+/// (`/healthz` answers) but not ready (`/readyz` 503); once a server is up it completes, becomes
+/// ready and processes events.
+#[tokio::test]
+async fn with_retry_on_initial_connect_start_up_waits_for_a_server_alive_but_not_ready() {
+    let mut server = NatsServer::start();
+    let url = server.url();
+    server.stop();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut config = test_config(&url);
+    config.nats.retry_on_initial_connect = true;
+    config.http.enabled = true;
+    config.http.listen = format!("127.0.0.1:{port}");
+    let starting = tokio::spawn(RunningService::start(config));
+    let get = |path: &'static str| async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        Some(response)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while get("/healthz").await.is_none() {
+        assert!(std::time::Instant::now() < deadline, "the HTTP endpoint came up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(get("/healthz").await.unwrap().starts_with("HTTP/1.1 200"));
+    assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 503"), "not ready without a server");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!starting.is_finished(), "start-up waits for the server");
+    assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 503"));
+
+    server.restart();
+    let service = starting.await.unwrap().unwrap();
+    assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 200"), "ready once started");
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    client.publish("chat", r#"{"type":"final","meta":{"message_id":"late"},"text":"hello"}"#.into()).await.unwrap();
+    let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    assert_eq!(out.len(), 1, "events flow once connected");
+    service.shutdown().await.unwrap();
+}
