@@ -1,7 +1,8 @@
 //! The operator's HTTP endpoint: `GET /metrics`, `GET /healthz` and `GET /readyz`.
 //!
 //! A minimal HTTP/1.1 server on hyper. `/metrics` renders [`Metrics`] in the Prometheus text
-//! format; `/healthz` answers 200 while the process serves at all; `/readyz` answers 200 only
+//! format; `/healthz` answers 200 while the process can serve at all (503 once its NATS
+//! connection is closed for good, after `nats.max_reconnects`); `/readyz` answers 200 only
 //! while the shared [`Readiness`] says the service is connected to NATS and subscribed to its
 //! input, else 503 with a one-line reason. Other paths get 404 and other methods 405.
 //!
@@ -51,6 +52,9 @@ pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8
 pub struct Readiness {
     connected: AtomicBool,
     subscribed: AtomicBool,
+    /// The NATS connection is closed for good (`nats.max_reconnects` ran out): nothing will
+    /// bring it back, so the process is no longer alive in the orchestrator's sense.
+    connection_lost: AtomicBool,
 }
 
 impl Readiness {
@@ -68,6 +72,17 @@ impl Readiness {
     /// Records whether the input subscriptions are active (set false when draining at shutdown).
     pub fn set_subscribed(&self, subscribed: bool) {
         self.subscribed.store(subscribed, Ordering::Relaxed);
+    }
+
+    /// Records that the NATS connection is closed for good: `/healthz` fails from now on, so an
+    /// orchestrator restarts the process.
+    pub fn set_connection_lost(&self) {
+        self.connection_lost.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the process can still do its job at all (`/healthz`).
+    pub fn is_alive(&self) -> bool {
+        !self.connection_lost.load(Ordering::Relaxed)
     }
 
     /// Connected and subscribed.
@@ -178,7 +193,8 @@ fn respond(request: &Request<Incoming>, metrics: &Metrics, readiness: &Readiness
             response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(METRICS_CONTENT_TYPE));
             response
         }
-        "/healthz" => text(StatusCode::OK, "ok\n"),
+        "/healthz" if readiness.is_alive() => text(StatusCode::OK, "ok\n"),
+        "/healthz" => text(StatusCode::SERVICE_UNAVAILABLE, "the NATS connection is closed for good\n"),
         _ => match readiness.not_ready_reason() {
             None => text(StatusCode::OK, "ready\n"),
             Some(reason) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("{reason}\n")),
@@ -280,8 +296,11 @@ mod tests {
         server.readiness.set_connected(false);
         let (status, _, _) = server.request("GET", "/readyz").await;
         assert_eq!(status, 503);
-        // Liveness does not depend on readiness.
+        // Liveness does not depend on readiness, only on the connection being recoverable.
         assert_eq!(server.request("GET", "/healthz").await.0, 200);
+        server.readiness.set_connection_lost();
+        let (status, _, body) = server.request("GET", "/healthz").await;
+        assert_eq!((status, body.as_str()), (503, "the NATS connection is closed for good\n"));
         server.shut_down().await;
     }
 

@@ -129,7 +129,11 @@ impl RunningService {
                 }
                 match event {
                     ConnectionEvent::Connected => readiness.set_connected(true),
-                    ConnectionEvent::Disconnected | ConnectionEvent::Closed => readiness.set_connected(false),
+                    ConnectionEvent::Disconnected => readiness.set_connected(false),
+                    ConnectionEvent::Closed => {
+                        readiness.set_connected(false);
+                        readiness.set_connection_lost();
+                    }
                     _ => {}
                 }
             }

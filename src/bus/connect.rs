@@ -105,7 +105,7 @@ impl ConnectionEvent {
                 tracing::warn!(event = kind, message = %message, "NATS client error")
             }
             ConnectionEvent::Draining => tracing::info!(event = kind, "NATS connection draining"),
-            ConnectionEvent::Closed => tracing::info!(event = kind, "NATS connection closed"),
+            ConnectionEvent::Closed => tracing::warn!(event = kind, "NATS connection closed for good"),
         }
     }
 }
@@ -131,6 +131,8 @@ impl From<Event> for ConnectionEvent {
                     ConnectionEvent::ServerError { message }
                 }
             }
+            // The client stops reconnecting: the connection is closed for good.
+            Event::ClientError(async_nats::ClientError::MaxReconnects) => ConnectionEvent::Closed,
             Event::ClientError(error) => ConnectionEvent::ClientError { message: error.to_string() },
         }
     }
@@ -338,7 +340,7 @@ mod tests {
             assert_eq!(ConnectionEvent::from(event), expected);
         }
         let event = ConnectionEvent::from(Event::ClientError(ClientError::MaxReconnects));
-        assert_eq!(event.kind(), "client_error");
+        assert_eq!(event.kind(), "closed", "running out of reconnects closes the connection for good");
     }
 
     /// A loopback URL where nothing listens: a port the OS just handed out and took back.

@@ -475,3 +475,39 @@ async fn with_retry_on_initial_connect_start_up_waits_for_a_server_alive_but_not
     assert_eq!(out.len(), 1, "events flow once connected");
     service.shutdown().await.unwrap();
 }
+
+/// With `nats.max_reconnects`, a connection the client gave up on is gone for good: `/healthz`
+/// fails, so an orchestrator restarts the process instead of keeping a replica that serves
+/// nothing.
+#[tokio::test]
+async fn a_connection_given_up_on_fails_the_liveness_probe() {
+    let mut server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.nats.max_reconnects = Some(1);
+    config.http.enabled = true;
+    config.http.listen = "127.0.0.1:0".into();
+    let service = RunningService::start(config).await.unwrap();
+    let address = service.http_address().unwrap();
+    let get = |path: &'static str| async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(address).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        response
+    };
+    assert!(get("/healthz").await.starts_with("HTTP/1.1 200"));
+    server.stop();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let health = loop {
+        let health = get("/healthz").await;
+        if !health.starts_with("HTTP/1.1 200") || std::time::Instant::now() > deadline {
+            break health;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(health.starts_with("HTTP/1.1 503") && health.contains("closed for good"), "{health}");
+    assert!(get("/readyz").await.starts_with("HTTP/1.1 503"));
+    let _ = service.shutdown().await;
+}
