@@ -678,6 +678,12 @@ impl Config {
         if self.pipeline.max_capture_bytes == 0 {
             return Err(ConfigError::invalid("pipeline.max_capture_bytes", "must be greater than 0"));
         }
+        if let Some(tag) = self.tags.iter().find(|t| t.max_capture_bytes == Some(0)) {
+            return Err(ConfigError::invalid(
+                "tags.max_capture_bytes",
+                format!("must be greater than 0 (tag {:?})", tag.name),
+            ));
+        }
         if self.schemas.max_depth == 0 {
             return Err(ConfigError::invalid("schemas.max_depth", "must be greater than 0"));
         }
@@ -949,6 +955,16 @@ mod tests {
                 assert!(err.contains("input.subjects") && err.contains("feedback"), "{input}: {err}");
             }
             assert!(Config::load(None, &["input.subjects=[\"chat.raw.*\"]".into()]).is_ok());
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_tag_capture_limit_of_zero_is_refused() {
+        Jail::expect_with(|jail| {
+            jail.create_file("t.toml", "[[tags]]\nname = \"a:b:v1\"\nkind = \"block\"\nmax_capture_bytes = 0\n")?;
+            let err = Config::load(Some(Path::new("t.toml")), &[]).unwrap_err().to_string();
+            assert!(err.contains("tags.max_capture_bytes") && err.contains("a:b:v1"), "{err}");
             Ok(())
         });
     }

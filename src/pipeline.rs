@@ -736,8 +736,9 @@ impl<S: Emit> ScanSink for Driver<'_, S> {
         let spec = &self.registered[usize::from(tag.0)].spec;
         let kind = spec.kind;
         let budget = self.limits.snapshot_budget;
-        let snapshots =
-            (kind == TagKind::Block && spec.snapshots).then(|| Snapshotter::new(spec.payload).with_budget(budget));
+        // A budget of 0 turns snapshots off: no parser runs, and nothing is counted as skipped.
+        let snapshots = (kind == TagKind::Block && spec.snapshots && budget > 0)
+            .then(|| Snapshotter::new(spec.payload).with_budget(budget));
         self.progress.capture =
             Some(Box::new(Capture { item, kind, payload: String::new(), overflowed: false, snapshots }));
         match kind {

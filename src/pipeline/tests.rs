@@ -435,3 +435,24 @@ proptest! {
         prop_assert_eq!(merge(sink.outs), merge(whole));
     }
 }
+
+#[test]
+fn a_snapshot_budget_of_zero_turns_snapshots_off() {
+    let tags = vec![TagSpec { payload: PayloadFormat::Json, ..TagSpec::new("j:x:v1", TagKind::Block) }];
+    let items: Vec<String> = (0..300).map(|i| i.to_string()).collect();
+    let body = format!(r#"{{"items":[{}]}}"#, items.join(","));
+    for (budget, snapshotted) in [(PipelineLimits::default().snapshot_budget, true), (0, false)] {
+        let mut p =
+            Pipeline::new(tags.clone(), PipelineLimits { snapshot_budget: budget, ..Default::default() }).unwrap();
+        let (mut s, mut sink) = (StreamState::new(), Sink::default());
+        p.feed(&mut s, "<j:x:v1>", &mut sink);
+        for chunk in body.as_bytes().chunks(16) {
+            p.feed(&mut s, std::str::from_utf8(chunk).unwrap(), &mut sink);
+        }
+        p.feed(&mut s, "</j:x:v1>", &mut sink);
+        p.finish(&mut s, None, "stop", &mut sink);
+        let snapshots = sink.outs.iter().filter(|r| matches!(r, Rec::Snapshot(..))).count();
+        assert_eq!(snapshots > 0, snapshotted, "budget {budget}: {snapshots} snapshots");
+        assert_eq!(p.stats().snapshot_budget_skips, 0, "budget {budget}: nothing counted as skipped");
+    }
+}
