@@ -441,7 +441,6 @@ fn geppetto_json(header: &StreamHeader, seq: u64, delta: &str, text: Option<&str
     Bytes::from(serde_json::to_vec(&event).unwrap_or_default())
 }
 
-/// Encodes `msg` (whose `stream` field is unset) followed by the stream's field 1.
 /// `<id>:<n>` (message ids and item ids), without the formatting machinery: one per output.
 fn numbered(id: &str, n: u64) -> String {
     let mut digits = itoa::Buffer::new();

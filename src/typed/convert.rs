@@ -40,7 +40,9 @@
 //! the same rules but drops what does not convert instead of failing: a field whose value does
 //! not convert (or whose name is unknown) is left unset, a list element or map entry that does
 //! not convert is left out, a nested message keeps the fields that do convert, the second member
-//! of a oneof and the second spelling of a field are ignored (in the mapping's key order),
+//! of a oneof and the second spelling of a field are ignored (in the parsed mapping's key order,
+//! which is sorted: serde_json's maps keep keys sorted, not as written; a key written twice has
+//! already kept its last value),
 //! and messages beyond the depth limit are left unset. Only a root value that is not
 //! a mapping (or `null`) gives no message.
 
