@@ -371,8 +371,10 @@ pub(crate) fn mask_url_secret(url: &str) -> String {
 }
 
 fn mask_authority(rest: &str, prefix: &str) -> String {
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
+    // The last `@` ends the user information, even past a `/`: a password written with a raw `/`
+    // (or `?`, `#`) is not a valid URL, and the error that says so must not print it. A NATS URL
+    // has no path that could hold an `@` of its own.
+    let Some(at) = rest.rfind('@') else {
         return format!("{prefix}{rest}");
     };
     let userinfo = &rest[..at];
@@ -585,6 +587,11 @@ mod tests {
         };
         let masked = config.masked();
         assert_eq!(masked.servers, ["nats://alice:***@a:4222", "nats://***@b:4222", "c:4222", "alice:***@d:4222"]);
+        // A raw `/` in a password makes the URL invalid; the error must not print it either.
+        assert_eq!(mask_url_secret("nats://alice:pa/ss#w@a:4222"), "nats://alice:***@a:4222");
+        let invalid = NatsConfig { servers: vec!["nats://alice:pa/ss#w@a:4222".into()], ..NatsConfig::default() };
+        let error = invalid.validate().map(|_| ()).unwrap_err().to_string();
+        assert!(!error.contains("pa/ss"), "{error}");
         assert_eq!(masked.nkey_seed.as_deref(), Some(MASK));
         assert_eq!(masked.password.as_deref(), Some(MASK));
         assert_eq!(masked.token.as_deref(), Some(MASK));
