@@ -97,17 +97,7 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Publish until the service answers (it is ready once it has subscribed).
-    let mut ready = false;
-    for _ in 0..100 {
-        client.publish("chat", r#"{"type":"final","meta":{"message_id":"probe"},"text":"x"}"#.into()).await.unwrap();
-        if let Ok(Some(_)) =
-            tokio::time::timeout(Duration::from_millis(100), futures::StreamExt::next(&mut filtered)).await
-        {
-            ready = true;
-            break;
-        }
-    }
+    let ready = answers(&client, &mut filtered).await;
     assert!(ready, "the service never answered");
     client
         .publish("chat", r#"{"type":"partial","meta":{"message_id":"open"},"delta":"unfinished"}"#.into())
@@ -157,16 +147,7 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut ready = false;
-    for _ in 0..100 {
-        client.publish("chat", r#"{"type":"final","meta":{"message_id":"probe"},"text":"x"}"#.into()).await.unwrap();
-        if let Ok(Some(_)) =
-            tokio::time::timeout(Duration::from_millis(100), futures::StreamExt::next(&mut filtered)).await
-        {
-            ready = true;
-            break;
-        }
-    }
+    let ready = answers(&client, &mut filtered).await;
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
@@ -174,4 +155,17 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
     assert!(ready, "the service never answered: {logs}");
     assert!(logs.contains("connected to NATS"), "{logs}");
     assert!(!logs.contains("pw-s3cret"), "the password is logged: {logs}");
+}
+
+/// Publishes a probe event until the service under test answers on `filtered` (it is ready once
+/// it has subscribed), for about 10 s at most; whether it did.
+async fn answers(client: &async_nats::Client, filtered: &mut async_nats::Subscriber) -> bool {
+    for _ in 0..100 {
+        client.publish("chat", r#"{"type":"final","meta":{"message_id":"probe"},"text":"x"}"#.into()).await.unwrap();
+        if let Ok(Some(_)) = tokio::time::timeout(Duration::from_millis(100), futures::StreamExt::next(filtered)).await
+        {
+            return true;
+        }
+    }
+    false
 }
