@@ -213,6 +213,9 @@ pub enum OutputKind<'a> {
         text: Option<&'a str>,
         /// Present on the stream's final output only.
         finish: Option<Finish<'a>>,
+        /// Which text output of the stream this is, from 1 (unlike `seq`, which counts every
+        /// output: geppetto's `sequence` numbers text events only).
+        number: u64,
     },
     /// A block's open tag was seen.
     BlockStarted {
@@ -335,6 +338,8 @@ struct Utf8Carry {
 #[derive(Debug, Clone, Default)]
 struct Progress {
     seq: u64,
+    /// Text outputs emitted so far.
+    texts: u64,
     items: u32,
     capture: Option<Box<Capture>>,
     visible: String,
@@ -619,12 +624,15 @@ impl<'a, S: Emit> Driver<'a, S> {
         }
         self.progress.seq += 1;
         let seq = self.progress.seq;
+        if self.progress.capture.is_none() {
+            self.progress.texts += 1;
+        }
         let progress = &*self.progress;
         let kind = match progress.capture.as_deref() {
             None => {
                 let every = self.limits.cumulative_text == CumulativeText::Every && !progress.visible_omitted;
                 let text = every.then_some(progress.visible.as_str());
-                OutputKind::Text { delta: self.pending, text, finish: None }
+                OutputKind::Text { delta: self.pending, text, finish: None, number: progress.texts }
             }
             Some(Capture { item, kind: TagKind::Block, .. }) => {
                 OutputKind::BlockDelta { item: *item, raw: self.pending }
@@ -657,6 +665,7 @@ impl<'a, S: Emit> Driver<'a, S> {
     /// Emits the final text output: the coalesced tail, and the whole visible text.
     fn finish(&mut self, reason: &str) {
         self.progress.seq += 1;
+        self.progress.texts += 1;
         let progress = &*self.progress;
         let retained = self.limits.cumulative_text != CumulativeText::Never && !progress.visible_omitted;
         let finish = Finish { reason, text_omitted: progress.visible_omitted };
@@ -664,6 +673,7 @@ impl<'a, S: Emit> Driver<'a, S> {
             delta: self.pending,
             text: retained.then_some(progress.visible.as_str()),
             finish: Some(finish),
+            number: progress.texts,
         };
         self.sink.emit(Output { seq: progress.seq, kind });
         self.pending.clear();

@@ -61,7 +61,7 @@ impl Emit for Recorder {
                 assert!(!delta.is_empty(), "empty text emitted");
                 Rec::Text(delta.to_owned())
             }
-            OutputKind::Text { delta, text, finish: Some(f) } => {
+            OutputKind::Text { delta, text, finish: Some(f), .. } => {
                 Rec::Final(delta.to_owned(), text.map(str::to_owned), f.reason.to_owned())
             }
             OutputKind::BlockStarted { item } => Rec::Started(item.number),

@@ -263,10 +263,10 @@ impl OutputEncoder {
     /// Encodes one output of the stream `header`.
     pub fn encode(&mut self, header: &StreamHeader, output: &Output<'_>) -> Publication {
         let seq = output.seq;
-        if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish }) =
+        if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish, number }) =
             (self.text_encoding, &output.kind)
         {
-            let payload = geppetto_json(header, seq, delta, *text, finish.map(|f| f.reason));
+            let payload = geppetto_json(header, *number, delta, *text, finish.map(|f| f.reason));
             return Publication {
                 subject: self.filtered.clone(),
                 type_name: GEPPETTO_EVENT_TYPE,
@@ -276,7 +276,7 @@ impl OutputEncoder {
             };
         }
         let (subject, type_name, payload) = match &output.kind {
-            OutputKind::Text { delta, text, finish } => {
+            OutputKind::Text { delta, text, finish, .. } => {
                 let payload = filtered_text(header, seq, delta, text.unwrap_or_default(), *finish);
                 (self.filtered.clone(), proto::names::FILTERED_TEXT, payload)
             }
@@ -404,9 +404,10 @@ impl OutputEncoder {
     }
 }
 
-/// Encodes filtered text as a geppetto event in the stream's vocabulary. The identity fields come
-/// from the encoded `StreamRef`, so the header keeps a single copy of them.
-fn geppetto_json(header: &StreamHeader, seq: u64, delta: &str, text: Option<&str>, finish: Option<&str>) -> Bytes {
+/// Encodes filtered text as a geppetto event in the stream's vocabulary; `number` is the text
+/// event's ordinal in its stream (the canonical `sequence`). The identity fields come from the
+/// encoded `StreamRef`, so the header keeps a single copy of them.
+fn geppetto_json(header: &StreamHeader, number: u64, delta: &str, text: Option<&str>, finish: Option<&str>) -> Bytes {
     let reference = proto::FilteredText::decode(&header.stream_field[..]).unwrap_or_default();
     let stream = reference.stream.unwrap_or_default();
     let mut meta = serde_json::Map::new();
@@ -431,7 +432,7 @@ fn geppetto_json(header: &StreamHeader, seq: u64, delta: &str, text: Option<&str
         }
         (Vocabulary::Canonical, None) => serde_json::json!({
             "type": "text-delta", "meta": meta, "correlation": { "segment_id": stream.stream_id },
-            "delta": delta, "text": text, "sequence": seq,
+            "delta": delta, "text": text, "sequence": number,
         }),
         (Vocabulary::Canonical, Some(reason)) => serde_json::json!({
             "type": "text-segment-finished", "meta": meta, "correlation": { "segment_id": stream.stream_id },
@@ -732,6 +733,39 @@ mod tests {
     fn block_subject_escapes_dots_in_parts() {
         let (_, encoder, _) = setup();
         assert_eq!(encoder.block_subject(0), Some("chat.structured.app.Mode%2ESwitch.v1%2E2"));
+    }
+
+    #[test]
+    fn geppetto_sequence_numbers_text_events_only_without_gaps() {
+        let tags = vec![TagSpec::new("thinking", TagKind::Channel), TagSpec::new("core:x:v1", TagKind::Block)];
+        let limits = PipelineLimits { cumulative_text: crate::pipeline::CumulativeText::Every, ..Default::default() };
+        let mut pipeline = Pipeline::new(tags, limits).unwrap();
+        let mut encoder =
+            OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), TextEncoding::GeppettoJson);
+        let identity =
+            StreamIdentity { message_id: Cow::Borrowed("m"), stream_id: Cow::Borrowed("s"), ..Default::default() };
+        let header = StreamHeader::new(&identity, Vocabulary::Canonical);
+        let mut s = StreamState::new();
+        let mut pubs = Vec::new();
+        let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
+        for delta in ["a ", "<thinking>hm</thinking>", "b ", "<core:x:v1>k: v</core:x:v1>", "c"] {
+            pipeline.feed(&mut s, delta, &mut sink);
+        }
+        pipeline.finish(&mut s, None, "stop", &mut sink);
+        let sequences: Vec<(String, Option<u64>)> = pubs
+            .iter()
+            .filter(|p| p.type_name == GEPPETTO_EVENT_TYPE)
+            .map(|p| serde_json::from_slice::<serde_json::Value>(&p.payload).unwrap())
+            .map(|e| (e["type"].as_str().unwrap().to_owned(), e["sequence"].as_u64()))
+            .collect();
+        let expected = [
+            ("text-delta", Some(1)),
+            ("text-delta", Some(2)),
+            ("text-delta", Some(3)),
+            ("text-segment-finished", None),
+        ];
+        assert_eq!(sequences, expected.map(|(t, n)| (t.to_owned(), n)));
+        assert!(pubs.len() > 4, "block and thinking outputs lie between them");
     }
 
     #[test]
