@@ -696,7 +696,10 @@ impl NatsSink {
         payload: Bytes,
         input: Input,
     ) {
-        let (Some(reply), Some(sequence)) = (input.ack, input.sequence) else {
+        // Core NATS input: no sequence, no ack. (A JetStream message read during a takeover has a
+        // sequence and no ack of its own: its redelivery acknowledges it, published again under
+        // the same id.)
+        let Some(sequence) = input.sequence else {
             return self.send(kind, subject, headers, payload).await;
         };
         if headers.get(async_nats::header::NATS_MESSAGE_ID).is_none() {
@@ -716,7 +719,10 @@ impl NatsSink {
                         // core NATS output (holding it would stall the partition for good).
                         self.metrics.count_publish_error(kind);
                         tracing::error!(%subject, error = %e, "publish failed");
-                        return self.send_ack(reply).await;
+                        if let Some(reply) = input.ack {
+                            self.send_ack(reply).await;
+                        }
+                        return;
                     }
                     Err(e) => {
                         self.metrics.count_publish_error(kind);
@@ -730,10 +736,14 @@ impl NatsSink {
                 true
             }
         };
-        if stored {
-            self.send_ack(reply).await;
-        } else {
-            tracing::warn!("stopping before an input event's own publication was confirmed; leaving it unacknowledged");
+        match (stored, input.ack) {
+            (true, Some(reply)) => self.send_ack(reply).await,
+            (true, None) => {}
+            (false, _) => {
+                tracing::warn!(
+                    "stopping before an input event's own publication was confirmed; leaving it unacknowledged"
+                )
+            }
         }
     }
 
