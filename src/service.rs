@@ -77,6 +77,10 @@ pub enum ServiceError {
     /// JetStream refused the stream or a consumer.
     #[error("JetStream: {0}")]
     JetStream(String),
+    /// `nats.retry_on_initial_connect` waited for a first connection until the client gave up
+    /// (`nats.max_reconnects`).
+    #[error("no NATS server accepted the connection before nats.max_reconnects ran out")]
+    Unreachable,
     /// Shutdown did not finish within the timeout.
     #[error("shutdown did not finish within {0:?}")]
     ShutdownTimeout(Duration),
@@ -157,10 +161,13 @@ impl RunningService {
         let client = bus::connect(&config.nats, events).await?;
         // With `retry_on_initial_connect` the client comes back before any connection exists, and
         // everything below needs one (the server's version and limits, the mapping probe, the
-        // consumers): wait for it, as long as it takes.
+        // consumers): wait for it, as long as the client keeps trying (`nats.max_reconnects`).
         if client.connection_state() != async_nats::connection::State::Connected {
             tracing::warn!("waiting for a NATS server to accept the connection");
             while client.connection_state() != async_nats::connection::State::Connected {
+                if !readiness.is_alive() {
+                    return Err(ServiceError::Unreachable);
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -176,9 +183,6 @@ impl RunningService {
 
         let registry = config.load_schemas()?;
         let (pipeline, encoder) = config.processing(&registry)?;
-        // Everything that can refuse to start does so before any input is consumed: a start that
-        // fails must not leave tasks behind that consume (and acknowledge) input.
-        let (api, status) = register(&client, &metrics, registry).await?;
         let limits = TableLimits {
             idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
             max_streams: (config.shards.max_streams / config.shard_count()).max(1),
@@ -214,6 +218,11 @@ impl RunningService {
             input::verify_mapping(&client, &ownership).await?;
         }
         let sources = input::open_sources(&client, &config, &ownership).await?;
+        // Everything that can refuse to start does so before any input is consumed: a start that
+        // fails must not leave tasks behind that consume (and acknowledge) input, nor a service
+        // API that answers for a service that is not there. (Sources consume nothing until their
+        // dispatchers run.)
+        let (api, status) = register(&client, &metrics, registry).await?;
         let subjects: Vec<String> = sources.iter().map(|(subject, _)| subject.clone()).collect();
         let expiry_tick = Duration::from_millis(config.shards.expiry_tick_ms);
         let close_on_shutdown = !config.jetstream.enabled;

@@ -326,8 +326,6 @@ impl fmt::Debug for NatsConfig {
     }
 }
 
-/// Masks the secret part of the user info in a server URL: the password of `user:password@`,
-/// or the whole of `token@`. Anything that is not such a URL is returned unchanged.
 /// Credentials written into a server URL.
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) enum UrlCredentials {
@@ -347,6 +345,7 @@ fn percent_decoded(text: &str) -> String {
         let escaped = (bytes[i] == b'%')
             .then(|| bytes.get(i + 1..i + 3))
             .flatten()
+            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
             .and_then(|hex| std::str::from_utf8(hex).ok())
             .and_then(|hex| u8::from_str_radix(hex, 16).ok());
         match escaped {
@@ -363,6 +362,8 @@ fn percent_decoded(text: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Masks the secret part of the user info in a server URL: the password of `user:password@`,
+/// or the whole of `token@`. Anything that is not such a URL is returned unchanged.
 pub(crate) fn mask_url_secret(url: &str) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return mask_authority(url, "");
@@ -563,6 +564,7 @@ mod tests {
         assert!(of(&["nats://tok%25en@a", "nats://tok%25en@b"]) == Some(UrlCredentials::Token("tok%en".into())));
         assert_eq!(percent_decoded("100%"), "100%", "an incomplete escape stays as written");
         assert_eq!(percent_decoded("%zz%4"), "%zz%4");
+        assert_eq!(percent_decoded("%+1%-1"), "%+1%-1", "two hex digits, no sign");
         let differing =
             NatsConfig { servers: vec!["nats://u:p@a".into(), "nats://u:q@b".into()], ..NatsConfig::default() };
         let error = differing.validate().unwrap_err().to_string();

@@ -352,14 +352,15 @@ impl OutputEncoder {
                     ..Default::default()
                 };
                 match call {
-                    Ok(call) if !nests_within(&call.arguments, MAX_VALUE_DEPTH) => {
-                        msg.success = false;
-                        msg.error = too_deep_error("arguments nest");
-                    }
                     Ok(call) => {
                         msg.tool_name.clone_from(&call.tool_name);
                         msg.server_name.clone_from(&call.server_name);
-                        msg.arguments = json_to_struct(&call.arguments);
+                        if nests_within(&call.arguments, MAX_VALUE_DEPTH) {
+                            msg.arguments = json_to_struct(&call.arguments);
+                        } else {
+                            msg.success = false;
+                            msg.error = too_deep_error("arguments nest");
+                        }
                     }
                     Err(error) => msg.error = (*error).to_owned(),
                 }

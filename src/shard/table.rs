@@ -240,6 +240,11 @@ impl StreamTable {
         }
     }
 
+    /// Whether `stream_id` closed since the last [`StreamTable::take_closed`].
+    pub fn has_closed(&self, stream_id: &str) -> bool {
+        self.closed.iter().any(|id| id.as_ref() == stream_id)
+    }
+
     /// The streams closed (finished, expired, evicted, shut down) since the last call, in order.
     pub fn take_closed(&mut self) -> Vec<Box<str>> {
         std::mem::take(&mut self.closed)

@@ -144,7 +144,8 @@ impl<S: ShardSink> Shard<S> {
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
             Err(_) => {
                 let failed = event.stream.stream_id.as_ref();
-                outputs.retain(|p| p.stream_id() != failed);
+                // Only streams that did close (a failure while closing one leaves it unclosed).
+                outputs.retain(|p| p.stream_id() != failed && table.has_closed(p.stream_id()));
                 table.discard(failed);
                 tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
                 for p in outputs.drain(..) {

@@ -715,12 +715,13 @@ async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
         let mut stream = stream.clone();
         async move { stream.info().await.unwrap().state.messages }
     };
+    // Both events handled: one stored and acknowledged, the other refused and held.
     let deadline = Instant::now() + Duration::from_secs(30);
-    while stored(&mut forwarded).await < 1 && Instant::now() < deadline {
+    while (stored(&mut forwarded).await < 1 || input_ack_pending(&input).await != 1) && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Enough time for a wrong acknowledgement to arrive: the refused publish is retried every
-    // 100 ms to 1 s meanwhile.
+    // And it stays so: the refused publish is retried every 100 ms to 1 s meanwhile, and a
+    // wrong acknowledgement would show here.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(stored(&mut forwarded).await, 1, "the stream refuses the second");
     assert_eq!(input_ack_pending(&input).await, 1, "the refused event's input is not acknowledged");

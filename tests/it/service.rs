@@ -465,7 +465,8 @@ async fn with_retry_on_initial_connect_start_up_waits_for_a_server_alive_but_not
     assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 503"));
 
     server.restart();
-    let service = starting.await.unwrap().unwrap();
+    let service =
+        tokio::time::timeout(Duration::from_secs(60), starting).await.expect("start-up completes").unwrap().unwrap();
     assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 200"), "ready once started");
     let client = async_nats::connect(server.url()).await.unwrap();
     let mut filtered = client.subscribe("chat.filtered").await.unwrap();
@@ -510,4 +511,19 @@ async fn a_connection_given_up_on_fails_the_liveness_probe() {
     assert!(health.starts_with("HTTP/1.1 503") && health.contains("closed for good"), "{health}");
     assert!(get("/readyz").await.starts_with("HTTP/1.1 503"));
     let _ = service.shutdown().await;
+}
+
+/// `nats.retry_on_initial_connect` with `nats.max_reconnects`: once the client gives up, start-up
+/// fails with a clear error instead of waiting forever.
+#[tokio::test]
+async fn waiting_for_a_first_connection_ends_when_the_client_gives_up() {
+    let mut server = NatsServer::start();
+    let url = server.url();
+    server.stop();
+    let mut config = test_config(&url);
+    config.nats.retry_on_initial_connect = true;
+    config.nats.max_reconnects = Some(2);
+    let started = tokio::time::timeout(Duration::from_secs(60), RunningService::start(config)).await;
+    let error = started.expect("start-up ends").err().expect("no server ever accepted");
+    assert!(error.to_string().contains("max_reconnects"), "{error}");
 }
