@@ -245,6 +245,8 @@ struct Rebuild {
     /// When the read counts as idle (see [`REBUILD_IDLE`]) unless a message comes first: a
     /// deadline, kept here so that a dropped [`JetStreamSource::next`] does not restart it.
     idle_at: tokio::time::Instant,
+    /// No read opens before this (at once at first, [`REOPEN_PAUSE`] after an attempt).
+    open_at: tokio::time::Instant,
     /// The last stream sequence to read: the consumer's delivered sequence at the takeover.
     through: u64,
     /// The delivery that revealed the new pin, handed on after the rebuilt messages.
@@ -256,6 +258,9 @@ struct Rebuild {
 /// reconnect) or finds nothing left to read (the messages up to the delivered sequence were
 /// removed by the stream's limits since they were delivered), which ends the rebuild.
 const REBUILD_IDLE: Duration = Duration::from_secs(5);
+
+/// The pause between two attempts to open a takeover's stream read.
+const REOPEN_PAUSE: Duration = Duration::from_millis(200);
 
 /// Opens an ordered read of `subject` in `stream` from stream sequence `from`; `None` when
 /// nothing of `subject` is stored from `from` on.
@@ -600,6 +605,11 @@ impl JetStreamSource {
         let rebuild = pinned.rebuild.as_mut()?;
         while !rebuild.done {
             let Some(reader) = rebuild.reader.as_mut() else {
+                // Opening creates a consumer on the server; a dropped `next` (the input task's
+                // `select!`, or `Source::ready`, which polls it once) abandons it to the server's
+                // inactivity cleanup, so attempts are paced rather than made on every poll.
+                tokio::time::sleep_until(rebuild.open_at).await;
+                rebuild.open_at = tokio::time::Instant::now() + REOPEN_PAUSE;
                 match open_read(&pinned.stream, &pinned.subject, rebuild.next).await {
                     Ok(Some(reader)) => {
                         rebuild.reader = Some(reader);
@@ -613,7 +623,6 @@ impl JetStreamSource {
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, subject = %pinned.subject, "opening a stream read for a takeover failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
                 continue;
@@ -682,6 +691,7 @@ impl Pinned {
             next: floor + 1,
             done: delivered <= floor,
             idle_at: tokio::time::Instant::now(),
+            open_at: tokio::time::Instant::now(),
             through: delivered,
             revealed,
         });
