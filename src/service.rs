@@ -650,7 +650,7 @@ impl NatsSink {
     /// created for an output subject while the service runs is confirmed against within that
     /// time; until then it stores those outputs without the service waiting for it. False for
     /// core NATS input (nothing is confirmed).
-    async fn captured(&mut self, subject: &Arc<str>) -> bool {
+    async fn captured(&mut self, subject: &str) -> bool {
         let Some(js) = self.confirm.as_ref() else { return false };
         let now = Instant::now();
         if let Some(&(captured, at)) = self.captures.get(subject) {
@@ -659,7 +659,7 @@ impl NatsSink {
             }
         }
         let captured = stream_captures(js, subject).await;
-        self.captures.insert(subject.clone(), (captured, now));
+        self.captures.insert(subject.into(), (captured, now));
         captured
     }
 
@@ -718,25 +718,16 @@ impl NatsSink {
             }
         }
         // `captured` is false without a JetStream context.
-        let stored = match self.captured_subject(&subject).await.then_some(self.confirm.as_ref()).flatten() {
+        let stored = match self.captured(subject.as_str()).await.then_some(self.confirm.as_ref()).flatten() {
             Some(js) => {
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
-                match &sent {
-                    Ok(_) => self.metrics.count_published(kind),
-                    Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
-                        // It can never be stored: reported, and the input acknowledged, as with
-                        // core NATS output (holding it would stall the partition for good).
-                        self.metrics.count_publish_error(kind);
-                        tracing::error!(%subject, error = %e, "publish failed");
-                        if let Some(reply) = input.ack {
-                            self.send_ack(reply).await;
-                        }
-                        return;
+                if !self.to_confirm(kind, &subject, &sent) {
+                    // It can never be stored: the input is acknowledged, as with core NATS output
+                    // (holding it would stall the partition for good).
+                    if let Some(reply) = input.ack {
+                        self.send_ack(reply).await;
                     }
-                    Err(e) => {
-                        self.metrics.count_publish_error(kind);
-                        tracing::warn!(%subject, error = %e, "publish failed; it will be published again");
-                    }
+                    return;
                 }
                 self.await_confirmations(vec![Unconfirmed { sent, output: Output { subject, headers, payload } }]).await
             }
@@ -756,10 +747,28 @@ impl NatsSink {
         }
     }
 
-    /// [`NatsSink::captured`] for a subject the configuration fixes (dead letters, pass-through).
-    async fn captured_subject(&mut self, subject: &Subject) -> bool {
-        let key: Arc<str> = subject.as_str().into();
-        self.captured(&key).await
+    /// Counts a JetStream publish of `kind` to `subject` and tells whether its storage is to be
+    /// confirmed (and it published again until stored). Not a message the server can never take
+    /// (too large): publishing it again would hold the worker for good, so it is reported and
+    /// dropped, as with core NATS output. A send that failed otherwise (too many confirmations in
+    /// flight, a reconnect) is published again with the unconfirmed ones.
+    fn to_confirm(&self, kind: OutputKind, subject: &Subject, sent: &Result<PublishAckFuture, PublishError>) -> bool {
+        match sent {
+            Ok(_) => {
+                self.metrics.count_published(kind);
+                true
+            }
+            Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                self.metrics.count_publish_error(kind);
+                tracing::error!(%subject, error = %e, "publish failed");
+                false
+            }
+            Err(e) => {
+                self.metrics.count_publish_error(kind);
+                tracing::warn!(%subject, error = %e, "publish failed; it will be published again");
+                true
+            }
+        }
     }
 }
 
@@ -792,28 +801,8 @@ impl ShardSink for NatsSink {
             Some((js, stream_id)) => {
                 let payload = publication.payload;
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
-                let retry = match &sent {
-                    Ok(_) => {
-                        self.metrics.count_published(kind);
-                        true
-                    }
-                    Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
-                        // It can never be sent, so publishing it again would hold the worker for
-                        // good: reported and dropped, as with core NATS output.
-                        self.metrics.count_publish_error(kind);
-                        tracing::error!(%subject, error = %e, "publish failed");
-                        false
-                    }
-                    // Sending failed (too many confirmations in flight, a reconnect): it is
-                    // published again with the unconfirmed outputs, and its stream's input is
-                    // not acknowledged before it is stored.
-                    Err(e) => {
-                        self.metrics.count_publish_error(kind);
-                        tracing::warn!(%subject, error = %e, "publish failed; it will be published again");
-                        true
-                    }
-                };
-                if retry {
+                // Not retried, it can never be sent: its stream's input is acknowledged as usual.
+                if self.to_confirm(kind, &subject, &sent) {
                     let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload } };
                     self.unconfirmed.entry(stream_id).or_default().push(unconfirmed);
                     self.unconfirmed_total += 1;

@@ -290,15 +290,16 @@ impl OutputEncoder {
             }
             OutputKind::BlockSnapshot { item, value } => {
                 // Too deep to decode: the snapshot goes out empty (the block's `completed` says why).
-                let value = Some(*value).filter(|v| nests_within(v, MAX_VALUE_DEPTH));
-                let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
-                let typed = value.zip(typed).and_then(|(v, t)| t.convert_partial(v).map(|m| t.to_any(&m)));
-                let snapshot = proto::BlockSnapshot { value: value.map(json_to_value), typed };
+                let converted = json_to_value(value);
+                let typed = self.tags[usize::from(item.tag.0)].typed.as_ref().filter(|_| converted.is_some());
+                let typed = typed.and_then(|t| t.convert_partial(value).map(|m| t.to_any(&m)));
+                let snapshot = proto::BlockSnapshot { value: converted, typed };
                 self.block(header, seq, *item, proto::block_event::Event::Snapshot(snapshot))
             }
             OutputKind::BlockCompleted { item, raw, value, error } => {
                 let typed = self.tags[usize::from(item.tag.0)].typed.as_ref();
-                let too_deep = value.is_some_and(|v| !nests_within(v, MAX_VALUE_DEPTH));
+                let converted = value.map(json_to_value);
+                let too_deep = matches!(converted, Some(None));
                 let (typed, error) = match (value, typed, error) {
                     (Some(_), _, None) if too_deep => {
                         self.stats.too_deep += 1;
@@ -321,7 +322,7 @@ impl OutputEncoder {
                     success: error.is_none(),
                     error: error.unwrap_or_default(),
                     typed,
-                    value: value.filter(|_| !too_deep).map(json_to_value),
+                    value: converted.flatten(),
                 };
                 self.block(header, seq, *item, proto::block_event::Event::Completed(completed))
             }
@@ -355,11 +356,12 @@ impl OutputEncoder {
                     Ok(call) => {
                         msg.tool_name.clone_from(&call.tool_name);
                         msg.server_name.clone_from(&call.server_name);
-                        if nests_within(&call.arguments, MAX_VALUE_DEPTH) {
-                            msg.arguments = json_to_struct(&call.arguments);
-                        } else {
-                            msg.success = false;
-                            msg.error = too_deep_error("arguments nest");
+                        match json_to_value(&call.arguments) {
+                            Some(arguments) => msg.arguments = into_struct(arguments),
+                            None => {
+                                msg.success = false;
+                                msg.error = too_deep_error("arguments nest");
+                            }
                         }
                     }
                     Err(error) => msg.error = (*error).to_owned(),
@@ -573,23 +575,20 @@ fn splice(header: &StreamHeader, msg: &impl Message) -> Bytes {
 /// up to 32 levels and in a `ToolCall`'s arguments up to 33; 30 leaves a margin.
 pub const MAX_VALUE_DEPTH: usize = 30;
 
-/// Whether `v` nests at most `levels` arrays or objects deep (a scalar nests 0).
-pub fn nests_within(v: &serde_json::Value, levels: usize) -> bool {
-    match v {
-        serde_json::Value::Array(a) => levels > 0 && a.iter().all(|c| nests_within(c, levels - 1)),
-        serde_json::Value::Object(o) => levels > 0 && o.values().all(|c| nests_within(c, levels - 1)),
-        _ => true,
-    }
-}
-
 /// The error of a block or tool call whose value nests deeper than [`MAX_VALUE_DEPTH`]
 /// (`what`: "payload nests", "arguments nest").
 fn too_deep_error(what: &str) -> String {
     format!("{what} deeper than {MAX_VALUE_DEPTH} levels, which protobuf consumers could not decode")
 }
 
-/// Converts a JSON value into a `google.protobuf.Value`.
-pub fn json_to_value(v: &serde_json::Value) -> prost_types::Value {
+/// Converts a JSON value into a `google.protobuf.Value`; `None` when it nests more than
+/// [`MAX_VALUE_DEPTH`] arrays or objects deep (checked in the same pass).
+pub fn json_to_value(v: &serde_json::Value) -> Option<prost_types::Value> {
+    value_within(v, MAX_VALUE_DEPTH)
+}
+
+/// [`json_to_value`] with `levels` arrays or objects allowed (a scalar nests 0).
+fn value_within(v: &serde_json::Value, levels: usize) -> Option<prost_types::Value> {
     use prost_types::value::Kind;
     let kind = match v {
         serde_json::Value::Null => Kind::NullValue(0),
@@ -597,18 +596,22 @@ pub fn json_to_value(v: &serde_json::Value) -> prost_types::Value {
         serde_json::Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(f64::NAN)),
         serde_json::Value::String(s) => Kind::StringValue(s.clone()),
         serde_json::Value::Array(a) => {
-            Kind::ListValue(prost_types::ListValue { values: a.iter().map(json_to_value).collect() })
+            let inner = levels.checked_sub(1)?;
+            let values = a.iter().map(|c| value_within(c, inner)).collect::<Option<_>>()?;
+            Kind::ListValue(prost_types::ListValue { values })
         }
-        serde_json::Value::Object(o) => Kind::StructValue(prost_types::Struct {
-            fields: o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect(),
-        }),
+        serde_json::Value::Object(o) => {
+            let inner = levels.checked_sub(1)?;
+            let fields = o.iter().map(|(k, c)| Some((k.clone(), value_within(c, inner)?))).collect::<Option<_>>()?;
+            Kind::StructValue(prost_types::Struct { fields })
+        }
     };
-    prost_types::Value { kind: Some(kind) }
+    Some(prost_types::Value { kind: Some(kind) })
 }
 
-/// Converts a JSON object into a `google.protobuf.Struct`; `None` for anything else.
-pub fn json_to_struct(v: &serde_json::Value) -> Option<prost_types::Struct> {
-    match json_to_value(v).kind {
+/// The `Struct` a converted JSON object is; `None` for any other value.
+fn into_struct(value: prost_types::Value) -> Option<prost_types::Struct> {
+    match value.kind {
         Some(prost_types::value::Kind::StructValue(s)) => Some(s),
         _ => None,
     }
@@ -811,7 +814,8 @@ mod tests {
         }
         // Without the limit: a call's arguments a few levels deeper are published undecodable.
         let value: serde_json::Value = serde_json::from_str(&objects(MAX_VALUE_DEPTH + 4)).unwrap();
-        let call = proto::ToolCall { arguments: json_to_struct(&value), ..Default::default() };
+        let call =
+            proto::ToolCall { arguments: value_within(&value, usize::MAX).and_then(into_struct), ..Default::default() };
         assert!(proto::ToolCall::decode(call.encode_to_vec().as_slice()).is_err());
     }
 

@@ -259,7 +259,8 @@ struct Rebuild {
 /// removed by the stream's limits since they were delivered), which ends the rebuild.
 const REBUILD_IDLE: Duration = Duration::from_secs(5);
 
-/// The pause between two attempts to open a takeover's stream read.
+/// The pause before a pull stream that ended opens again, and between two attempts to open a
+/// takeover's stream read.
 const REOPEN_PAUSE: Duration = Duration::from_millis(200);
 
 /// Opens an ordered read of `subject` in `stream` from stream sequence `from`; `None` when
@@ -525,7 +526,7 @@ impl JetStreamSource {
                     // held by the old one is gone: the next pin seen here starts a takeover.
                     tracing::warn!("JetStream pull stream ended; reopening it");
                     self.messages = None;
-                    self.open_at = Some(tokio::time::Instant::now() + Duration::from_millis(200));
+                    self.open_at = Some(tokio::time::Instant::now() + REOPEN_PAUSE);
                 }
                 Some(Ok(message)) => {
                     // Only pinned-client consumers carry a pin: others skip the header lookup.

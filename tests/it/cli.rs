@@ -89,14 +89,7 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
     let client = async_nats::connect(server.url()).await.unwrap();
     let mut filtered = client.subscribe("chat.filtered").await.unwrap();
     client.flush().await.unwrap();
-    let child = binary()
-        .arg("serve")
-        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{}\"]", server.url()))
-        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = serve(&server.url()).spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
     assert!(ready, "the service never answered");
     client
@@ -138,15 +131,7 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
         .unwrap();
     let mut filtered = client.subscribe("chat.filtered").await.unwrap();
     client.flush().await.unwrap();
-    let child = binary()
-        .arg("serve")
-        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{url}\"]"))
-        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
-        .env("RUST_LOG", "trace")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = serve(&url).env("RUST_LOG", "trace").spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
@@ -168,4 +153,16 @@ async fn answers(client: &async_nats::Client, filtered: &mut async_nats::Subscri
         }
     }
     false
+}
+
+/// `structured-sink serve` against the server at `url`, HTTP off, its logs piped.
+fn serve(url: &str) -> Command {
+    let mut command = binary();
+    command
+        .arg("serve")
+        .env("STRUCTURED_SINK__NATS__SERVERS", format!("[\"{url}\"]"))
+        .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    command
 }
