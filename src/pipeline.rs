@@ -200,7 +200,31 @@ pub struct Finish<'a> {
     pub reason: &'a str,
     /// True when the visible text outgrew its limit and `text` is absent for that reason.
     pub text_omitted: bool,
+    /// Present when an upstream error ended the stream: its text (possibly empty), cut to its
+    /// first [`MAX_ERROR_BYTES`] (whole characters).
+    pub error: Option<&'a str>,
 }
+
+/// How the caller ends a stream ([`Pipeline::finish`]): the reason, and the upstream's error text
+/// when an error ended it. A reason alone converts into one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ending<'a> {
+    /// The upstream finish reason, or the caller's own (`expired`, `shutdown`, ...).
+    pub reason: &'a str,
+    /// Present when an upstream error ended the stream: its text (possibly empty).
+    pub error: Option<&'a str>,
+}
+
+impl<'a> From<&'a str> for Ending<'a> {
+    fn from(reason: &'a str) -> Self {
+        Ending { reason, error: None }
+    }
+}
+
+/// The bound on the error text a final output carries. Error texts are a line or a few (a
+/// provider's message); the bound keeps one that quotes a whole request from making the final
+/// too large to publish, beside a visible text that may be up to `max_text_bytes`.
+pub const MAX_ERROR_BYTES: usize = 4096;
 
 /// What an output says.
 #[derive(Debug, Clone, PartialEq)]
@@ -520,15 +544,17 @@ impl Pipeline {
 
     /// Ends `stream`: `final_text` (the upstream's whole text, when it sent one) supplies the part
     /// not yet seen as deltas; held bytes are released, an open capture is closed as unclosed, and
-    /// a final text output carries the filtered tail and the whole visible text. When the final's
-    /// text does not extend the deltas seen, the deltas win and the divergence is reported.
-    pub fn finish(
+    /// a final text output carries the filtered tail, the whole visible text and the `ending`
+    /// (a reason, or a reason and an error text). When the final's text does not extend the deltas
+    /// seen, the deltas win and the divergence is reported.
+    pub fn finish<'e>(
         &mut self,
         stream: &mut StreamState,
         final_text: Option<&str>,
-        reason: &str,
+        ending: impl Into<Ending<'e>>,
         sink: &mut impl Emit,
     ) -> FinishReport {
+        let ending = ending.into();
         let mut report = FinishReport::default();
         if stream.utf8.len > 0 {
             // A character cut off for good.
@@ -552,7 +578,7 @@ impl Pipeline {
         let mut driver = Driver::new(self, progress, sink);
         scanner.feed(driver.tags, &decoded, &mut driver);
         scanner.finish(driver.tags, &mut driver);
-        driver.finish(reason);
+        driver.finish(ending);
         self.decoded = decoded;
         report
     }
@@ -663,12 +689,19 @@ impl<'a, S: Emit> Driver<'a, S> {
     }
 
     /// Emits the final text output: the coalesced tail, and the whole visible text.
-    fn finish(&mut self, reason: &str) {
+    fn finish(&mut self, ending: Ending<'_>) {
         self.progress.seq += 1;
         self.progress.texts += 1;
         let progress = &*self.progress;
         let retained = self.limits.cumulative_text != CumulativeText::Never && !progress.visible_omitted;
-        let finish = Finish { reason, text_omitted: progress.visible_omitted };
+        let error = ending.error.map(|error| {
+            let mut cut = error.len().min(MAX_ERROR_BYTES);
+            while !error.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            &error[..cut]
+        });
+        let finish = Finish { reason: ending.reason, text_omitted: progress.visible_omitted, error };
         let kind = OutputKind::Text {
             delta: self.pending,
             text: retained.then_some(progress.visible.as_str()),

@@ -535,6 +535,7 @@ mod campaigns {
             Just("finish_reason"),
             Just("sequence"),
             Just("error"),
+            Just("error_string"),
             Just("meta"),
             Just("correlation"),
             Just("t\\u0079pe"),
@@ -564,6 +565,7 @@ mod campaigns {
             Just(r#""text-delta""#),
             Just(r#""text-segment-finished""#),
             Just(r#""interrupt""#),
+            Just(r#""error""#),
             Just(r#""tool-call""#),
         ];
         let members = prop::collection::vec((key, member_value), 0..7);

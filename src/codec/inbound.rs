@@ -113,6 +113,9 @@ pub enum EventAction<'a> {
         text: Option<Cow<'a, str>>,
         /// `stop_reason`/`finish_reason`, or `interrupt`/`error`.
         reason: Cow<'a, str>,
+        /// The upstream's error text (`error.error_string`, empty when absent) when an `error`
+        /// event ended the stream; `None` for every other event.
+        error: Option<Cow<'a, str>>,
     },
     /// Not a text event: forwarded unchanged to the pass-through subject when one is set.
     PassThrough,
@@ -150,8 +153,8 @@ impl InboundEvent<'_> {
             },
             action: match self.action {
                 EventAction::Delta(d) => EventAction::Delta(own(d)),
-                EventAction::Finish { text, reason } => {
-                    EventAction::Finish { text: text.map(own), reason: own(reason) }
+                EventAction::Finish { text, reason, error } => {
+                    EventAction::Finish { text: text.map(own), reason: own(reason), error: error.map(own) }
                 }
                 EventAction::PassThrough => EventAction::PassThrough,
             },
@@ -175,8 +178,8 @@ impl InboundEvent<'_> {
             ],
             action: match self.action {
                 EventAction::Delta(d) => DetachedAction::Delta(piece(d)),
-                EventAction::Finish { text, reason } => {
-                    DetachedAction::Finish { text: text.map(piece), reason: piece(reason) }
+                EventAction::Finish { text, reason, error } => {
+                    DetachedAction::Finish { text: text.map(piece), reason: piece(reason), error: error.map(piece) }
                 }
                 EventAction::PassThrough => DetachedAction::PassThrough,
             },
@@ -196,7 +199,7 @@ pub struct DetachedEvent {
 #[derive(Debug, Clone)]
 enum DetachedAction {
     Delta(Piece),
-    Finish { text: Option<Piece>, reason: Piece },
+    Finish { text: Option<Piece>, reason: Piece, error: Option<Piece> },
     PassThrough,
 }
 
@@ -254,9 +257,10 @@ impl DetachedEvent {
             },
             action: match &self.action {
                 DetachedAction::Delta(d) => EventAction::Delta(d.attach(payload)),
-                DetachedAction::Finish { text, reason } => EventAction::Finish {
+                DetachedAction::Finish { text, reason, error } => EventAction::Finish {
                     text: text.as_ref().map(|t| t.attach(payload)),
                     reason: reason.attach(payload),
+                    error: error.as_ref().map(|e| e.attach(payload)),
                 },
                 DetachedAction::PassThrough => EventAction::PassThrough,
             },
@@ -285,6 +289,8 @@ struct Wire<'a> {
     text: Option<&'a RawValue>,
     #[serde(borrow, default)]
     finish_reason: Option<Str<'a>>,
+    #[serde(borrow, default)]
+    error_string: Option<Str<'a>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -382,15 +388,25 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
         "final" => EventAction::Finish {
             text: whole_text(payload, fields.text)?,
             reason: non_empty(fields.stop_reason).unwrap_or(Cow::Borrowed("stop")),
+            error: None,
         },
         "text-segment-finished" => EventAction::Finish {
             text: whole_text(payload, fields.text)?,
             reason: non_empty(fields.finish_reason).unwrap_or(Cow::Borrowed("stop")),
+            error: None,
         },
-        "interrupt" => {
-            EventAction::Finish { text: whole_text(payload, fields.text)?, reason: Cow::Borrowed("interrupt") }
-        }
-        "error" => EventAction::Finish { text: None, reason: Cow::Borrowed("error") },
+        "interrupt" => EventAction::Finish {
+            text: whole_text(payload, fields.text)?,
+            reason: Cow::Borrowed("interrupt"),
+            error: None,
+        },
+        // Some even when empty: the error event ended the stream, which a final with the stop
+        // reason `error` does not tell.
+        "error" => EventAction::Finish {
+            text: None,
+            reason: Cow::Borrowed("error"),
+            error: Some(fields.error_string.unwrap_or_default()),
+        },
         _ => EventAction::PassThrough,
     };
     Ok(InboundEvent { kind, stream, action })
@@ -415,6 +431,7 @@ fn read_with_serde(payload: &[u8]) -> Result<Fields<'_>, DecodeError> {
         stop_reason: cow(meta.stop_reason),
         segment_id: cow(correlation.segment_id),
         provider_call_id: cow(correlation.provider_call_id),
+        error_string: cow(wire.error_string),
     })
 }
 
@@ -562,17 +579,38 @@ mod tests {
             r#"{{"type":"final","meta":{{"stop_reason":"length","message_id":"{MID}","session_id":"s"}},"text":"Hello"}}"#
         );
         let ev = decode(json.as_bytes(), 1 << 20).unwrap();
-        assert_eq!(ev.action, EventAction::Finish { text: Some("Hello".into()), reason: "length".into() });
+        assert_eq!(ev.action, EventAction::Finish { text: Some("Hello".into()), reason: "length".into(), error: None });
         assert_eq!(ev.stream.session_id, "s");
         let json = format!(r#"{{"type":"interrupt","meta":{{"message_id":"{MID}"}},"text":"x"}}"#);
         assert_eq!(
             decode(json.as_bytes(), 1 << 20).unwrap().action,
-            EventAction::Finish { text: Some("x".into()), reason: "interrupt".into() }
+            EventAction::Finish { text: Some("x".into()), reason: "interrupt".into(), error: None }
         );
         let json = format!(r#"{{"type":"error","error":{{}},"meta":{{"message_id":"{MID}"}},"error_string":"boom"}}"#);
         assert_eq!(
             decode(json.as_bytes(), 1 << 20).unwrap().action,
-            EventAction::Finish { text: None, reason: "error".into() }
+            EventAction::Finish { text: None, reason: "error".into(), error: Some("boom".into()) }
+        );
+        // Escaped as Go writes it, by the reader and by serde_json (an escaped key sends the
+        // reader there); one without text is empty.
+        for json in [
+            format!(r#"{{"type":"error","meta":{{"message_id":"{MID}"}},"error_string":"say \"\u003cno\u003e\""}}"#),
+            format!(
+                r#"{{"type":"error","meta":{{"message_id":"{MID}"}},"error_string":"say \"\u003cno\u003e\"","\u0078":1}}"#
+            ),
+        ] {
+            assert!(reader::read(json.as_bytes()).is_some() != json.contains("u0078"), "{json}");
+            let ev = decode(json.as_bytes(), 1 << 20);
+            assert_eq!(
+                ev.map(|e| e.action).ok(),
+                Some(EventAction::Finish { text: None, reason: "error".into(), error: Some(r#"say "<no>""#.into()) }),
+                "{json}"
+            );
+        }
+        let json = format!(r#"{{"type":"error","meta":{{"message_id":"{MID}"}}}}"#);
+        assert_eq!(
+            decode(json.as_bytes(), 1 << 20).unwrap().action,
+            EventAction::Finish { text: None, reason: "error".into(), error: Some("".into()) }
         );
     }
 
@@ -589,7 +627,7 @@ mod tests {
         );
         let ev = decode(json.as_bytes(), 1 << 20).unwrap();
         assert_eq!(ev.stream.stream_id, "pc");
-        assert_eq!(ev.action, EventAction::Finish { text: Some("t".into()), reason: "stop".into() });
+        assert_eq!(ev.action, EventAction::Finish { text: Some("t".into()), reason: "stop".into(), error: None });
     }
 
     #[test]
@@ -640,7 +678,7 @@ mod tests {
         let null = r#"{"type":"final","meta":{"message_id":"m"},"text":null}"#;
         assert_eq!(
             decode(null.as_bytes(), 1 << 20).unwrap().action,
-            EventAction::Finish { text: None, reason: "stop".into() }
+            EventAction::Finish { text: None, reason: "stop".into(), error: None }
         );
         let wrong = "{\"type\":\"final\",\n\"meta\":{\"message_id\":\"m\"},\"text\":[1]}";
         assert_eq!(decode(wrong.as_bytes(), 1 << 20), Err(DecodeError::WrongFieldType { line: 2, column: 34 }));

@@ -266,7 +266,7 @@ impl OutputEncoder {
         if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish, number }) =
             (self.text_encoding, &output.kind)
         {
-            let payload = geppetto_json(header, *number, delta, *text, finish.map(|f| f.reason));
+            let payload = geppetto_json(header, *number, delta, *text, *finish);
             return Publication {
                 subject: self.filtered.clone(),
                 type_name: GEPPETTO_EVENT_TYPE,
@@ -410,7 +410,18 @@ impl OutputEncoder {
 /// Encodes filtered text as a geppetto event in the stream's vocabulary; `number` is the text
 /// event's ordinal in its stream (the canonical `sequence`). The identity fields come from the
 /// encoded `StreamRef`, so the header keeps a single copy of them.
-fn geppetto_json(header: &StreamHeader, number: u64, delta: &str, text: Option<&str>, finish: Option<&str>) -> Bytes {
+///
+/// A stream ends as it ended upstream: an `error` event (with its `error_string`) or an
+/// `interrupt` event, which both vocabularies share, else the vocabulary's final. Each carries the
+/// final `delta` and `text` (a geppetto `error` has neither field; its decoders ignore fields
+/// they do not know), so the last filtered text is not lost to a consumer that reads them.
+fn geppetto_json(
+    header: &StreamHeader,
+    number: u64,
+    delta: &str,
+    text: Option<&str>,
+    finish: Option<Finish<'_>>,
+) -> Bytes {
     let reference = proto::FilteredText::decode(&header.stream_field[..]).unwrap_or_default();
     let stream = reference.stream.unwrap_or_default();
     let mut meta = serde_json::Map::new();
@@ -425,11 +436,17 @@ fn geppetto_json(header: &StreamHeader, number: u64, delta: &str, text: Option<&
         }
     }
     let text = text.unwrap_or_default();
-    let event = match (header.vocabulary, finish) {
+    let mut event = match (header.vocabulary, finish) {
+        (_, Some(Finish { error: Some(error), .. })) => serde_json::json!({
+            "type": "error", "meta": meta, "error": {}, "error_string": error, "delta": delta, "text": text,
+        }),
+        (_, Some(Finish { reason: "interrupt", .. })) => serde_json::json!({
+            "type": "interrupt", "meta": meta, "delta": delta, "text": text,
+        }),
         (Vocabulary::Legacy, None) => serde_json::json!({
             "type": "partial", "meta": meta, "delta": delta, "completion": text,
         }),
-        (Vocabulary::Legacy, Some(reason)) => {
+        (Vocabulary::Legacy, Some(Finish { reason, .. })) => {
             meta.insert("stop_reason".to_owned(), reason.into());
             serde_json::json!({ "type": "final", "meta": meta, "delta": delta, "text": text })
         }
@@ -437,11 +454,15 @@ fn geppetto_json(header: &StreamHeader, number: u64, delta: &str, text: Option<&
             "type": "text-delta", "meta": meta, "correlation": { "segment_id": stream.stream_id },
             "delta": delta, "text": text, "sequence": number,
         }),
-        (Vocabulary::Canonical, Some(reason)) => serde_json::json!({
+        (Vocabulary::Canonical, Some(Finish { reason, .. })) => serde_json::json!({
             "type": "text-segment-finished", "meta": meta, "correlation": { "segment_id": stream.stream_id },
             "delta": delta, "text": text, "finish_reason": reason,
         }),
     };
+    // The shared shapes carry the canonical correlation too, as every canonical event does.
+    if header.vocabulary == Vocabulary::Canonical && event.get("correlation").is_none() {
+        event["correlation"] = serde_json::json!({ "segment_id": stream.stream_id });
+    }
     Bytes::from(serde_json::to_vec(&event).unwrap_or_default())
 }
 
@@ -464,6 +485,7 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
     let string_len =
         |tag: u32, s: &str| if s.is_empty() { 0 } else { key_len(tag) + encoded_len_varint(s.len() as u64) + s.len() };
     let reason = finish.map_or("", |f| f.reason);
+    let error = finish.and_then(|f| f.error).unwrap_or_default();
     let len = header.stream_field.len()
         + if seq == 0 { 0 } else { key_len(2) + encoded_len_varint(seq) }
         + string_len(3, delta)
@@ -472,7 +494,8 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
         + key_len(5)
         + 1
         + key_len(7)
-        + 1;
+        + 1
+        + string_len(8, error);
     let mut buf = BytesMut::with_capacity(len);
     buf.put_slice(&header.stream_field);
     let string = |tag: u32, s: &str, buf: &mut BytesMut| {
@@ -497,6 +520,7 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
         encode_key(7, WireType::Varint, &mut buf);
         encode_varint(1, &mut buf);
     }
+    string(8, error, &mut buf);
     buf.freeze()
 }
 
@@ -649,8 +673,10 @@ mod tests {
                 for text in ["", "whole <text>"] {
                     for finish in [
                         None,
-                        Some(Finish { reason: "stop", text_omitted: false }),
-                        Some(Finish { reason: "", text_omitted: true }),
+                        Some(Finish { reason: "stop", text_omitted: false, error: None }),
+                        Some(Finish { reason: "", text_omitted: true, error: None }),
+                        Some(Finish { reason: "error", text_omitted: false, error: Some("quota <exceeded>") }),
+                        Some(Finish { reason: "error", text_omitted: true, error: Some(long.as_str()) }),
                     ] {
                         let msg = proto::FilteredText {
                             stream: None,
@@ -660,6 +686,7 @@ mod tests {
                             r#final: finish.is_some(),
                             finish_reason: finish.map(|f| f.reason.to_owned()).unwrap_or_default(),
                             text_omitted: finish.is_some_and(|f| f.text_omitted),
+                            error: finish.and_then(|f| f.error).unwrap_or_default().to_owned(),
                         };
                         let ours = filtered_text(&header, seq, delta, text, finish);
                         assert_eq!(ours, splice(&header, &msg), "{seq} {delta:?} {text:?} {finish:?}");
@@ -770,6 +797,57 @@ mod tests {
         ];
         assert_eq!(sequences, expected.map(|(t, n)| (t.to_owned(), n)));
         assert!(pubs.len() > 4, "block and thinking outputs lie between them");
+    }
+
+    #[test]
+    fn streams_end_as_they_ended_upstream_with_the_error_text() {
+        use crate::pipeline::Ending;
+        let endings = [
+            (Ending { reason: "error", error: Some("quota <exceeded>") }, "error"),
+            (Ending { reason: "error", error: Some("") }, "error"),
+            (Ending::from("interrupt"), "interrupt"),
+            (Ending::from("error"), "final"),
+            (Ending::from("stop"), "final"),
+        ];
+        for vocabulary in [Vocabulary::Legacy, Vocabulary::Canonical] {
+            for (ending, kind) in endings {
+                let (mut pipeline, _, _) = setup();
+                let identity = StreamIdentity {
+                    message_id: Cow::Borrowed("m"),
+                    stream_id: Cow::Borrowed("s"),
+                    ..Default::default()
+                };
+                let header = StreamHeader::new(&identity, vocabulary);
+                let subjects = OutputSubjects::default();
+                let mut json = OutputEncoder::with_text_encoding(&pipeline, &subjects, TextEncoding::GeppettoJson);
+                let mut protobuf = OutputEncoder::new(&pipeline, &subjects);
+                let (mut events, mut messages) = (Vec::new(), Vec::new());
+                let mut s = StreamState::new();
+                pipeline.feed(&mut s, "so far <", &mut |_: Output<'_>| {});
+                pipeline.finish(&mut s, None, ending, &mut |o: Output<'_>| {
+                    events.push(json.encode(&header, &o));
+                    messages.push(protobuf.encode(&header, &o));
+                });
+                let last: serde_json::Value = serde_json::from_slice(&events.last().unwrap().payload).unwrap();
+                let kind = match (kind, vocabulary) {
+                    ("final", Vocabulary::Canonical) => "text-segment-finished",
+                    (kind, _) => kind,
+                };
+                assert_eq!(last["type"], kind, "{ending:?} {vocabulary:?}");
+                // The held-back `<` is the last delta; the whole text comes with it.
+                assert_eq!((&last["delta"], &last["text"]), (&"<".into(), &"so far <".into()), "{last}");
+                assert_eq!(last["meta"]["message_id"], "m");
+                assert_eq!(last.get("correlation").is_some(), vocabulary == Vocabulary::Canonical, "{last}");
+                assert_eq!(last.get("error_string").and_then(|e| e.as_str()), ending.error);
+                assert_eq!(last.get("error").is_some(), ending.error.is_some());
+                let message = proto::FilteredText::decode(messages.last().unwrap().payload.clone()).unwrap();
+                assert!(message.r#final);
+                assert_eq!(
+                    (message.finish_reason.as_str(), message.error.as_str()),
+                    (ending.reason, ending.error.unwrap_or(""))
+                );
+            }
+        }
     }
 
     #[test]

@@ -247,6 +247,29 @@ fn held_prefix_is_released_in_the_final_delta() {
 }
 
 #[test]
+fn the_error_text_reaches_the_final_cut_to_whole_characters() {
+    let long = format!("{}é", "e".repeat(MAX_ERROR_BYTES - 1));
+    for (error, expected) in [
+        (None, None),
+        (Some(""), Some("")),
+        (Some("upstream <failed>"), Some("upstream <failed>")),
+        // The two-byte character would end one byte past the bound: it is left out whole.
+        (Some(long.as_str()), Some(&long[..MAX_ERROR_BYTES - 1])),
+    ] {
+        let mut p = pipeline(PipelineLimits::default());
+        let mut s = StreamState::new();
+        p.feed(&mut s, "a", &mut |_: Output<'_>| {});
+        let mut finishes = Vec::new();
+        p.finish(&mut s, None, Ending { reason: "error", error }, &mut |o: Output<'_>| {
+            if let OutputKind::Text { finish: Some(finish), .. } = o.kind {
+                finishes.push((finish.reason.to_owned(), finish.error.map(str::to_owned)));
+            }
+        });
+        assert_eq!(finishes, [("error".to_owned(), expected.map(str::to_owned))]);
+    }
+}
+
+#[test]
 fn two_interleaved_streams_do_not_mix() {
     let mut p = pipeline(PipelineLimits::default());
     let (mut a, mut b) = (StreamState::new(), StreamState::new());

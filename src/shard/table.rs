@@ -15,7 +15,7 @@ use hashlink::{LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
-use crate::pipeline::{Output, Pipeline, PipelineStats, StreamState};
+use crate::pipeline::{Ending, Output, Pipeline, PipelineStats, StreamState};
 
 /// Bounds of a table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,11 +189,12 @@ impl StreamTable {
             _ if sequence.is_some_and(|seq| self.streams.get(stream_id).is_some_and(|s| seq <= s.last_input)) => {
                 Disposition::Duplicate
             }
-            EventAction::Finish { text, reason } => {
+            EventAction::Finish { text, reason, error } => {
                 self.ensure_open(event, now, sink, opened);
                 let open = self.streams.remove(stream_id).expect("ensure_open opened it");
                 self.stats.finished += 1;
-                self.close(stream_id.into(), open, text.as_deref(), reason, sink);
+                let ending = Ending { reason, error: error.as_deref() };
+                self.close(stream_id.into(), open, text.as_deref(), ending, sink);
                 Disposition::Applied
             }
         }
@@ -226,7 +227,7 @@ impl StreamTable {
             }
             let (id, open) = self.streams.pop_front().expect("front exists");
             self.stats.expired += 1;
-            self.close(id, open, None, "expired", sink);
+            self.close(id, open, None, "expired".into(), sink);
             closed += 1;
         }
         closed
@@ -236,7 +237,7 @@ impl StreamTable {
     pub fn close_all(&mut self, reason: &str, sink: &mut impl FnMut(Publication)) {
         while let Some((id, open)) = self.streams.pop_front() {
             self.stats.closed_at_shutdown += 1;
-            self.close(id, open, None, reason, sink);
+            self.close(id, open, None, reason.into(), sink);
         }
     }
 
@@ -289,7 +290,7 @@ impl StreamTable {
         while self.streams.len() >= self.limits.max_streams {
             let Some((id, open)) = self.streams.pop_front() else { break };
             self.stats.evicted += 1;
-            self.close(id, open, None, "evicted", sink);
+            self.close(id, open, None, "evicted".into(), sink);
         }
         self.stats.opened += 1;
         // Ids only: never text. Field names follow the OpenTelemetry messaging conventions.
@@ -312,13 +313,13 @@ impl StreamTable {
         id: Box<str>,
         mut open: OpenStream,
         final_text: Option<&str>,
-        reason: &str,
+        ending: Ending<'_>,
         sink: &mut impl FnMut(Publication),
     ) {
         let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
-        pipeline.finish(&mut open.state, final_text, reason, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
+        pipeline.finish(&mut open.state, final_text, ending, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
         open.span.record("stream.outputs", open.state.seq());
-        open.span.record("stream.finish_reason", reason);
+        open.span.record("stream.finish_reason", ending.reason);
         self.closed.push(id.clone());
         if self.limits.finished_memory > 0 {
             if self.finished.len() >= self.limits.finished_memory {

@@ -430,6 +430,66 @@ async fn geppetto_json_output_keeps_each_streams_vocabulary() {
     assert_eq!(block[0].headers.as_ref().unwrap().get("Content-Type").unwrap().as_str(), "application/x-protobuf");
 }
 
+/// An upstream `error` ends its stream with the error's text, and an `interrupt` as an interrupt:
+/// in the protobuf final (`error`, `finish_reason`) and, in geppetto-json, as the same event type
+/// the agent sent, each with the text held back until the end.
+#[tokio::test]
+async fn upstream_errors_and_interrupts_end_their_streams_with_what_they_said() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let events = [
+        r#"{"type":"partial","meta":{"message_id":"err-1"},"delta":"Checking \u003cmy","completion":"Checking \u003cmy"}"#,
+        r#"{"type":"error","error":{},"meta":{"message_id":"err-1"},"error_string":"rate limit \u003cexceeded\u003e"}"#,
+        r#"{"type":"text-delta","meta":{"message_id":"int-1"},"correlation":{"segment_id":"seg-1"},"delta":"Stop","text":"Stop","sequence":1}"#,
+        r#"{"type":"interrupt","meta":{"message_id":"int-1"},"correlation":{"segment_id":"seg-1"},"text":"Stop"}"#,
+    ];
+    for format in [structured_sink::config::OutputFormat::Protobuf, structured_sink::config::OutputFormat::GeppettoJson]
+    {
+        let mut config = test_config(&server.url());
+        config.output.format = format;
+        let service = RunningService::start(config).await.unwrap();
+        let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+        client.flush().await.unwrap();
+        for event in events {
+            client.publish("chat", event.into()).await.unwrap();
+        }
+        client.flush().await.unwrap();
+        let got = collect(&mut filtered, Duration::from_secs(5), |ms| ms.len() == 4).await;
+        service.shutdown().await.unwrap();
+        assert_eq!(got.len(), 4, "{format:?}");
+        let last_of = |id: &str| -> Value {
+            let of_stream: Vec<Value> = got
+                .iter()
+                .map(|m| match format {
+                    structured_sink::config::OutputFormat::Protobuf => as_json(m),
+                    _ => serde_json::from_slice(&m.payload).unwrap(),
+                })
+                .filter(|v| v["stream"]["message_id"] == id || v["meta"]["message_id"] == id)
+                .collect();
+            assert_eq!(of_stream.len(), 2, "{id}: {of_stream:?}");
+            of_stream[1].clone()
+        };
+        let (error, interrupt) = (last_of("err-1"), last_of("int-1"));
+        match format {
+            structured_sink::config::OutputFormat::Protobuf => {
+                assert_eq!(error["finish_reason"], "error", "{error}");
+                assert_eq!(error["error"], "rate limit <exceeded>", "{error}");
+                assert_eq!((&error["delta"], &error["text"]), (&"<my".into(), &"Checking <my".into()), "{error}");
+                assert_eq!(interrupt["finish_reason"], "interrupt", "{interrupt}");
+                assert!(interrupt.get("error").is_none(), "{interrupt}");
+            }
+            _ => {
+                assert_eq!(error["type"], "error", "{error}");
+                assert_eq!(error["error_string"], "rate limit <exceeded>", "{error}");
+                assert_eq!((&error["delta"], &error["text"]), (&"<my".into(), &"Checking <my".into()), "{error}");
+                assert_eq!(interrupt["type"], "interrupt", "{interrupt}");
+                assert_eq!(interrupt["text"], "Stop", "{interrupt}");
+                assert_eq!(interrupt["correlation"]["segment_id"], "seg-1", "{interrupt}");
+            }
+        }
+    }
+}
+
 /// `nats.retry_on_initial_connect`: with no server reachable, start-up waits for one, alive
 /// (`/healthz` answers) but not ready (`/readyz` 503); once a server is up it completes, becomes
 /// ready and processes events.

@@ -43,6 +43,7 @@ pub(super) struct Fields<'a> {
     pub stop_reason: Option<Cow<'a, str>>,
     pub segment_id: Option<Cow<'a, str>>,
     pub provider_call_id: Option<Cow<'a, str>>,
+    pub error_string: Option<Cow<'a, str>>,
 }
 
 /// The string fields, by index into the pieces [`read`] collects (each also its bit among the
@@ -58,10 +59,11 @@ const TURN_ID: usize = 7;
 const STOP_REASON: usize = 8;
 const SEGMENT_ID: usize = 9;
 const PROVIDER_CALL_ID: usize = 10;
-const STRING_FIELDS: usize = 11;
-const TEXT: usize = 11;
-const META: usize = 12;
-const CORRELATION: usize = 13;
+const ERROR_STRING: usize = 11;
+const STRING_FIELDS: usize = 12;
+const TEXT: usize = 12;
+const META: usize = 13;
+const CORRELATION: usize = 14;
 
 /// A string field as read: where it is in the payload (its UTF-8 not yet checked), or its text
 /// decoded from escapes.
@@ -131,6 +133,7 @@ pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
         stop_reason: take(STOP_REASON)?,
         segment_id: take(SEGMENT_ID)?,
         provider_call_id: take(PROVIDER_CALL_ID)?,
+        error_string: take(ERROR_STRING)?,
     })
 }
 
@@ -148,6 +151,7 @@ fn top_field(key: &[u8]) -> Option<usize> {
         b"type" => Some(TYPE),
         b"delta" => Some(DELTA),
         b"finish_reason" => Some(FINISH_REASON),
+        b"error_string" => Some(ERROR_STRING),
         _ => None,
     }
 }
