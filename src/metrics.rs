@@ -294,6 +294,11 @@ const TEXT_OVERFLOWS: MetricDef = MetricDef {
     help: "Streams whose retained visible text outgrew pipeline.max_text_bytes.",
     kind: MetricType::Counter,
 };
+const ERROR_TEXTS_CUT: MetricDef = MetricDef {
+    name: "error_texts_cut_total",
+    help: "Upstream error texts longer than 4 KiB, cut to 4 KiB on their stream's final.",
+    kind: MetricType::Counter,
+};
 const BLOCKS_FAILED: MetricDef = MetricDef {
     name: "blocks_failed_total",
     help: "Completed blocks whose payload could not be decoded or typed, by reason.",
@@ -442,6 +447,8 @@ pub struct MetricsSnapshot {
     pub finals_diverged: u64,
     /// `text_overflows_total`.
     pub text_overflows: u64,
+    /// `error_texts_cut_total`.
+    pub error_texts_cut: u64,
     /// `blocks_failed_total` by [`BlockFailure`].
     pub blocks_failed: BTreeMap<&'static str, u64>,
     /// `snapshots_skipped_total`.
@@ -495,6 +502,7 @@ pub struct Metrics {
     captures_unclosed: Counter,
     finals_diverged: Counter,
     text_overflows: Counter,
+    error_texts_cut: Counter,
     blocks_failed: CounterFamily<BlockFailure>,
     snapshots_skipped: Counter,
     nats_connection_events: CounterFamily<ConnectionEventKind>,
@@ -525,6 +533,7 @@ impl Metrics {
             captures_unclosed: Counter::default(),
             finals_diverged: Counter::default(),
             text_overflows: Counter::default(),
+            error_texts_cut: Counter::default(),
             blocks_failed: CounterFamily::new(),
             snapshots_skipped: Counter::default(),
             nats_connection_events: CounterFamily::new(),
@@ -603,6 +612,11 @@ impl Metrics {
         self.text_overflows.add(n);
     }
 
+    /// Counts `n` upstream error texts cut to their limit.
+    pub fn count_error_texts_cut(&self, n: u64) {
+        self.error_texts_cut.add(n);
+    }
+
     /// Counts `n` completed blocks that failed for `reason`.
     pub fn count_blocks_failed(&self, reason: BlockFailure, n: u64) {
         self.blocks_failed.add(reason, n);
@@ -647,6 +661,7 @@ impl Metrics {
             captures_unclosed: self.captures_unclosed.get(),
             finals_diverged: self.finals_diverged.get(),
             text_overflows: self.text_overflows.get(),
+            error_texts_cut: self.error_texts_cut.get(),
             blocks_failed: self.blocks_failed.snapshot(),
             snapshots_skipped: self.snapshots_skipped.get(),
             nats_connection_events: self.nats_connection_events.snapshot(),
@@ -674,6 +689,7 @@ impl Metrics {
         out.scalar(CAPTURES_UNCLOSED, s.captures_unclosed);
         out.scalar(FINALS_DIVERGED, s.finals_diverged);
         out.scalar(TEXT_OVERFLOWS, s.text_overflows);
+        out.scalar(ERROR_TEXTS_CUT, s.error_texts_cut);
         out.family::<BlockFailure>(BLOCKS_FAILED, &s.blocks_failed);
         out.scalar(SNAPSHOTS_SKIPPED, s.snapshots_skipped);
         out.family::<ConnectionEventKind>(NATS_CONNECTION_EVENTS, &s.nats_connection_events);
@@ -762,7 +778,7 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 19] = [
+    const ALL_DEFS: [MetricDef; 20] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
@@ -776,6 +792,7 @@ mod tests {
         CAPTURES_UNCLOSED,
         FINALS_DIVERGED,
         TEXT_OVERFLOWS,
+        ERROR_TEXTS_CUT,
         BLOCKS_FAILED,
         SNAPSHOTS_SKIPPED,
         NATS_CONNECTION_EVENTS,
@@ -851,6 +868,7 @@ mod tests {
         m.count_captures_unclosed(5);
         m.count_finals_diverged(6);
         m.count_text_overflows(7);
+        m.count_error_texts_cut(8);
         m.count_connection_event(ConnectionEventKind::Disconnected);
         m.count_shard_inbox_full();
 
@@ -869,6 +887,7 @@ mod tests {
         assert_eq!(s.streams_closed["expired"], 2);
         assert_eq!(s.streams_closed_total(), 2);
         assert_eq!((s.captures_overflowed, s.captures_unclosed, s.finals_diverged, s.text_overflows), (4, 5, 6, 7));
+        assert_eq!(s.error_texts_cut, 8);
         assert_eq!(s.nats_connection_events["disconnected"], 1);
         assert_eq!(s.shard_inbox_full, 1);
 

@@ -167,6 +167,8 @@ pub struct PipelineStats {
     pub unclosed_captures: u64,
     /// Streams whose visible text outgrew `max_text_bytes`.
     pub text_overflows: u64,
+    /// Upstream error texts longer than [`MAX_ERROR_BYTES`], cut on a final.
+    pub error_texts_cut: u64,
     /// Blocks whose payload could not be decoded (YAML or JSON errors).
     pub invalid_payloads: u64,
     /// Live-snapshot attempts skipped for exceeding the snapshot budget.
@@ -695,7 +697,11 @@ impl<'a, S: Emit> Driver<'a, S> {
         let progress = &*self.progress;
         let retained = self.limits.cumulative_text != CumulativeText::Never && !progress.visible_omitted;
         let error = ending.error.map(|error| {
-            let mut cut = error.len().min(MAX_ERROR_BYTES);
+            if error.len() <= MAX_ERROR_BYTES {
+                return error;
+            }
+            self.stats.error_texts_cut += 1;
+            let mut cut = MAX_ERROR_BYTES;
             while !error.is_char_boundary(cut) {
                 cut -= 1;
             }

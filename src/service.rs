@@ -926,6 +926,7 @@ impl ShardSink for NatsSink {
         m.count_captures_unclosed(pipeline.unclosed_captures - last.pipeline.unclosed_captures);
         m.count_finals_diverged(pipeline.diverged_finals - last.pipeline.diverged_finals);
         m.count_text_overflows(pipeline.text_overflows - last.pipeline.text_overflows);
+        m.count_error_texts_cut(pipeline.error_texts_cut - last.pipeline.error_texts_cut);
         m.count_blocks_failed(BlockFailure::InvalidPayload, pipeline.invalid_payloads - last.pipeline.invalid_payloads);
         m.count_blocks_failed(
             BlockFailure::SchemaMismatch,

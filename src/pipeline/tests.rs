@@ -266,6 +266,8 @@ fn the_error_text_reaches_the_final_cut_to_whole_characters() {
             }
         });
         assert_eq!(finishes, [("error".to_owned(), expected.map(str::to_owned))]);
+        let cut = error.is_some_and(|e| e.len() > MAX_ERROR_BYTES);
+        assert_eq!(p.stats().error_texts_cut, u64::from(cut), "the cut is counted");
     }
 }
 
