@@ -414,6 +414,14 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// Empties the scratch buffers shared by every stream after a call that did not return (a
+    /// panic the caller caught): the text it held belongs to the stream that failed, and the next
+    /// call, for any stream, would emit it as its own.
+    pub fn clear_scratch(&mut self) {
+        self.pending.clear();
+        self.decoded.clear();
+    }
+
     /// Registers `tags` under `limits`.
     pub fn new(tags: Vec<TagSpec>, limits: PipelineLimits) -> Result<Self, TagSpecError> {
         let mut registered = Vec::with_capacity(tags.len());

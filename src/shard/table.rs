@@ -84,18 +84,34 @@ pub struct StreamTable {
     finished: LinkedHashSet<Box<str>>,
     /// Streams closed since the last [`StreamTable::take_closed`].
     closed: Vec<Box<str>>,
+    /// The stream being closed, while it is: a panic that leaves it set happened while closing
+    /// that stream ([`StreamTable::recover_failed_close`]).
+    closing: Option<Box<str>>,
     stats: TableStats,
     /// Test hook: a delta with exactly this text panics inside [`StreamTable::apply`], after its
     /// stream is open (so after any eviction that made room for it), to test what the worker does
     /// when processing fails.
     #[cfg(test)]
     pub(crate) panic_on_delta: Option<&'static str>,
+    /// Test hook: an output whose payload holds this text panics while it is emitted (in the
+    /// middle of the pipeline's work, or of closing a stream).
+    #[cfg(test)]
+    pub(crate) panic_on_output: Option<&'static str>,
 }
 
 /// Test hook: panics when `delta` is the failure trigger (see `StreamTable::panic_on_delta`).
 #[cfg(test)]
 fn inject_failure(trigger: Option<&str>, delta: &str) {
     if trigger == Some(delta) {
+        panic!("injected failure");
+    }
+}
+
+/// Test hook: panics when `publication`'s payload holds the failure trigger (see
+/// `StreamTable::panic_on_output`).
+#[cfg(test)]
+fn inject_output_failure(trigger: Option<&str>, publication: &Publication) {
+    if trigger.is_some_and(|t| publication.payload.windows(t.len()).any(|w| w == t.as_bytes())) {
         panic!("injected failure");
     }
 }
@@ -110,9 +126,12 @@ impl StreamTable {
             streams: LinkedHashMap::new(),
             finished: LinkedHashSet::new(),
             closed: Vec::new(),
+            closing: None,
             stats: TableStats::default(),
             #[cfg(test)]
             panic_on_delta: None,
+            #[cfg(test)]
+            panic_on_output: None,
         }
     }
 
@@ -153,6 +172,13 @@ impl StreamTable {
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
     ) -> Disposition {
+        #[cfg(test)]
+        let trigger = self.panic_on_output;
+        #[cfg(test)]
+        let sink = &mut |p: Publication| {
+            inject_output_failure(trigger, &p);
+            sink(p)
+        };
         let stream_id = event.stream.stream_id.as_ref();
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
@@ -192,9 +218,9 @@ impl StreamTable {
             EventAction::Finish { text, reason, error } => {
                 self.ensure_open(event, now, sink, opened);
                 let open = self.streams.remove(stream_id).expect("ensure_open opened it");
-                self.stats.finished += 1;
                 let ending = Ending { reason, error: error.as_deref() };
                 self.close(stream_id.into(), open, text.as_deref(), ending, sink);
+                self.stats.finished += 1;
                 Disposition::Applied
             }
         }
@@ -220,14 +246,21 @@ impl StreamTable {
     /// Closes every stream idle since before `now - idle_timeout`, with reason `expired`.
     /// Returns how many were closed. Work is proportional to the streams closed.
     pub fn expire(&mut self, now: Instant, sink: &mut impl FnMut(Publication)) -> usize {
+        #[cfg(test)]
+        let trigger = self.panic_on_output;
+        #[cfg(test)]
+        let sink = &mut |p: Publication| {
+            inject_output_failure(trigger, &p);
+            sink(p)
+        };
         let mut closed = 0;
         while let Some((_, oldest)) = self.streams.front() {
             if now.saturating_duration_since(oldest.last_seen) < self.limits.idle_timeout {
                 break;
             }
             let (id, open) = self.streams.pop_front().expect("front exists");
-            self.stats.expired += 1;
             self.close(id, open, None, "expired".into(), sink);
+            self.stats.expired += 1;
             closed += 1;
         }
         closed
@@ -235,9 +268,16 @@ impl StreamTable {
 
     /// Closes every open stream with `reason` (shutdown), oldest first.
     pub fn close_all(&mut self, reason: &str, sink: &mut impl FnMut(Publication)) {
+        #[cfg(test)]
+        let trigger = self.panic_on_output;
+        #[cfg(test)]
+        let sink = &mut |p: Publication| {
+            inject_output_failure(trigger, &p);
+            sink(p)
+        };
         while let Some((id, open)) = self.streams.pop_front() {
-            self.stats.closed_at_shutdown += 1;
             self.close(id, open, None, reason.into(), sink);
+            self.stats.closed_at_shutdown += 1;
         }
     }
 
@@ -255,15 +295,34 @@ impl StreamTable {
     /// events failed (its state may be half-updated). It counts as finished: later events of it
     /// are late, and the caller is told it closed (so held input is released).
     pub fn discard(&mut self, stream_id: &str) {
+        self.pipeline.clear_scratch();
         if self.streams.remove(stream_id).is_some() {
             self.stats.failed += 1;
         }
         self.closed.push(stream_id.into());
+        self.remember_finished(stream_id.into());
+    }
+
+    /// After a panic: the stream that was being closed when it happened, if any, now counted as
+    /// failed, closed (so its held input is released) and finished (later events of it are
+    /// late). Its state is already gone; outputs of it that were gathered are the caller's to
+    /// drop.
+    pub fn recover_failed_close(&mut self) -> Option<Box<str>> {
+        let id = self.closing.take()?;
+        self.pipeline.clear_scratch();
+        self.stats.failed += 1;
+        self.closed.push(id.clone());
+        self.remember_finished(id.clone());
+        Some(id)
+    }
+
+    /// Keeps `id` among the recently finished streams, within `finished_memory`.
+    fn remember_finished(&mut self, id: Box<str>) {
         if self.limits.finished_memory > 0 {
             if self.finished.len() >= self.limits.finished_memory {
                 self.finished.pop_front();
             }
-            self.finished.insert(stream_id.into());
+            self.finished.insert(id);
         }
     }
 
@@ -289,8 +348,8 @@ impl StreamTable {
         }
         while self.streams.len() >= self.limits.max_streams {
             let Some((id, open)) = self.streams.pop_front() else { break };
-            self.stats.evicted += 1;
             self.close(id, open, None, "evicted".into(), sink);
+            self.stats.evicted += 1;
         }
         self.stats.opened += 1;
         // Ids only: never text. Field names follow the OpenTelemetry messaging conventions.
@@ -316,17 +375,14 @@ impl StreamTable {
         ending: Ending<'_>,
         sink: &mut impl FnMut(Publication),
     ) {
+        self.closing = Some(id.clone());
         let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
         pipeline.finish(&mut open.state, final_text, ending, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
+        self.closing = None;
         open.span.record("stream.outputs", open.state.seq());
         open.span.record("stream.finish_reason", ending.reason);
         self.closed.push(id.clone());
-        if self.limits.finished_memory > 0 {
-            if self.finished.len() >= self.limits.finished_memory {
-                self.finished.pop_front();
-            }
-            self.finished.insert(id);
-        }
+        self.remember_finished(id);
     }
 }
 

@@ -144,9 +144,21 @@ impl<S: ShardSink> Shard<S> {
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
             Err(_) => {
                 let failed = event.stream.stream_id.as_ref();
-                // Only streams that did close (a failure while closing one leaves it unclosed).
-                outputs.retain(|p| p.stream_id() != failed && table.has_closed(p.stream_id()));
-                table.discard(failed);
+                // A failure while closing a stream (the event's own, or one evicted to make room for
+                // it) costs that stream too: it is closed without its last outputs.
+                let broken = table.recover_failed_close();
+                let broken = broken.as_deref();
+                // Only streams that did close.
+                outputs.retain(|p| {
+                    let id = p.stream_id();
+                    id != failed && Some(id) != broken && table.has_closed(id)
+                });
+                if broken != Some(failed) {
+                    table.discard(failed);
+                }
+                if let Some(broken) = broken.filter(|&b| b != failed) {
+                    tracing::error!(shard = *index, stream_id = %broken, "closing an evicted stream failed; it was discarded");
+                }
                 tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
                 for p in outputs.drain(..) {
                     sink.publish(p, None).await;
@@ -159,8 +171,10 @@ impl<S: ShardSink> Shard<S> {
 
     /// Closes the streams idle at `now` and publishes their last outputs.
     pub async fn expire(&mut self, now: Instant) {
-        let outputs = &mut self.outputs;
-        self.table.expire(now, &mut |p| outputs.push(p));
+        let Shard { index, table, outputs, .. } = self;
+        close_contained(*index, table, outputs, |table, outputs| {
+            table.expire(now, &mut |p| outputs.push(p));
+        });
         self.publish_unprompted().await;
     }
 
@@ -174,8 +188,10 @@ impl<S: ShardSink> Shard<S> {
     /// (or abandons them, see [`Shard::new`]), reports and flushes the sink.
     pub async fn finish(mut self) {
         if self.close_on_shutdown {
-            let outputs = &mut self.outputs;
-            self.table.close_all("shutdown", &mut |p| outputs.push(p));
+            let Shard { index, table, outputs, .. } = &mut self;
+            close_contained(*index, table, outputs, |table, outputs| {
+                table.close_all("shutdown", &mut |p| outputs.push(p));
+            });
             self.publish_unprompted().await;
         } else {
             let open = self.table.abandon_all();
@@ -354,6 +370,24 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
     shard.finish().await;
 }
 
+/// Runs `close` (expiry or shutdown: streams closed one after another) so that a bug while closing
+/// one stream costs that stream only, as in [`Shard::apply`]: the stream is closed without its last
+/// outputs (its state is gone), counted as failed, and the others are closed as if nothing
+/// happened. A panic outside any stream's close (none is known) ends the round; the next tick or
+/// call goes on.
+fn close_contained(
+    index: usize,
+    table: &mut StreamTable,
+    outputs: &mut Vec<Publication>,
+    mut close: impl FnMut(&mut StreamTable, &mut Vec<Publication>),
+) {
+    while std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| close(table, outputs))).is_err() {
+        let Some(failed) = table.recover_failed_close() else { return };
+        outputs.retain(|p| p.stream_id() != &*failed);
+        tracing::error!(shard = index, stream_id = %failed, "closing a stream failed; it was discarded");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -363,14 +397,17 @@ mod tests {
     use crate::shard::table::TableLimits;
     use std::sync::{Arc, Mutex};
 
-    /// Records what a worker sends, in order, into a shared log.
+    /// Records what a worker sends, in order, into a shared log (and each publication's id and
+    /// payload into a second one).
     #[derive(Clone, Default)]
-    struct Recorder(Arc<Mutex<Vec<String>>>);
+    #[allow(clippy::type_complexity)]
+    struct Recorder(Arc<Mutex<Vec<String>>>, Arc<Mutex<Vec<(String, Bytes)>>>);
 
     impl ShardSink for Recorder {
         type Envelope = u32;
         async fn publish(&mut self, p: Publication, cause: Option<&u32>) {
             self.0.lock().unwrap().push(format!("{} {} {:?}", p.subject, p.msg_id, cause));
+            self.1.lock().unwrap().push((p.msg_id, p.payload));
         }
         async fn pass_through(&mut self, envelope: u32) {
             self.0.lock().unwrap().push(format!("pass {envelope}"));
@@ -480,6 +517,67 @@ mod tests {
         assert_eq!(good.len(), 3, "the other stream is untouched: {log:?}");
         assert!(log.contains(&"closed good".to_owned()));
         assert!(!log.iter().any(|l| l.contains(" bad:2 ")), "nothing of the failed event is published: {log:?}");
+    }
+
+    fn delta(id: &str, text: &str, envelope: u32) -> ShardEvent<u32> {
+        event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
+    }
+
+    #[tokio::test]
+    async fn a_failure_leaves_nothing_of_its_stream_for_the_next_one() {
+        use prost::Message as _;
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let mut table = table(Duration::from_secs(60));
+            table.panic_on_output = Some("boom");
+            (table, log.clone())
+        });
+        // The block's payload is gathered in the pipeline's scratch, shared by the shard's
+        // streams; emitting it fails.
+        set.route(delta("bad", "hi <core:x:v1>secret boom", 1)).await.unwrap();
+        set.route(delta("good", "hello", 2)).await.unwrap();
+        set.route(event(r#"{"type":"final","meta":{"message_id":"good"}}"#, 3)).await.unwrap();
+        set.shutdown().await;
+        assert!(log.0.lock().unwrap().contains(&"dead 1 internal_error".to_owned()));
+        let payloads = log.1.lock().unwrap().clone();
+        let good: Vec<crate::codec::proto::FilteredText> = payloads
+            .iter()
+            .filter(|(id, _)| id.starts_with("good:"))
+            .map(|(_, payload)| crate::codec::proto::FilteredText::decode(payload.clone()).unwrap())
+            .collect();
+        assert_eq!(good.len(), 2, "{good:?}");
+        assert_eq!((good[0].delta.as_str(), good[1].text.as_str()), ("hello", "hello"), "{good:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_while_closing_one_stream_costs_that_stream_only() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let mut table = table(Duration::from_secs(5));
+            // Held back as a possible tag, so only a final outputs it.
+            table.panic_on_output = Some("<core:x");
+            (table, log.clone())
+        });
+        set.route(delta("bad", "x <core:x", 1)).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        set.route(delta("good", "y ", 2)).await.unwrap();
+        // `bad` expires, and closing it fails; the shard goes on.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        set.route(delta("good", "z ", 3)).await.unwrap();
+        set.route(delta("late", "w <core:x", 4)).await.unwrap();
+        set.route(delta("other", "v ", 5)).await.unwrap();
+        set.route(delta("bad", "again", 6)).await.unwrap();
+        // Closing `late` at shutdown fails too; `good` and `other` still get their finals.
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        for line in ["chat.filtered good:3 None", "closed good", "chat.filtered other:2 None", "closed other"] {
+            assert!(log.iter().any(|l| l.starts_with(line)), "{line:?} in {log:?}");
+        }
+        for id in ["bad", "late"] {
+            assert!(log.contains(&format!("closed {id}")), "its held input is released: {log:?}");
+            assert!(!log.iter().any(|l| l.contains(&format!(" {id}:2 "))), "no final of {id}: {log:?}");
+        }
+        assert!(log.contains(&"dead 6 stream_finished".to_owned()), "later events of it are late: {log:?}");
     }
 
     #[tokio::test]
