@@ -20,6 +20,7 @@ use crate::codec::outbound::{OutputSubjects, TextEncoding};
 use crate::codec::subject::{is_valid_publish_subject, patterns_overlap};
 use crate::payload::PayloadFormat;
 use crate::pipeline::{CumulativeText, MalformedPolicy, Pipeline, PipelineLimits, TagKind, TagSpec};
+use crate::shard::table::TableLimits;
 use crate::typed::SchemaRegistry;
 
 /// The prefix of environment variables; `__` separates nested keys.
@@ -489,13 +490,14 @@ pub struct ShardConfig {
     pub inbox_capacity: usize,
     /// A stream with no event for this long is closed with reason `expired`.
     pub idle_timeout_ms: u64,
-    /// Open streams per replica. Above it the longest-idle stream is closed with reason
-    /// `evicted`.
+    /// Open streams per replica, shared evenly by its shards (at least one each). Above its share
+    /// a shard closes its longest-idle stream with reason `evicted`.
     pub max_streams: usize,
     /// How often workers look for idle streams.
     pub expiry_tick_ms: u64,
-    /// Ids of recently finished streams remembered per replica, so that late events for them are
-    /// dead-lettered instead of starting a new stream with duplicate sequence numbers.
+    /// Ids of recently finished streams remembered per replica (shared evenly by its shards), so
+    /// that late events for them are dead-lettered instead of starting a new stream with
+    /// duplicate sequence numbers.
     pub finished_memory: usize,
 }
 
@@ -657,6 +659,18 @@ impl Config {
         if self.jetstream.enabled && self.jetstream.stream.is_empty() {
             return Err(ConfigError::invalid("jetstream.stream", "must not be empty"));
         }
+        // Outside subject mode each input subject gets a consumer of its own, and consumers run
+        // side by side: the events of a message spread over two subjects would reach its shard in
+        // no common order, and an earlier one applied after a later one looks like a redelivery
+        // (skipped and acknowledged, so lost). One pattern is one consumer, in stream order.
+        if self.jetstream.enabled && self.partitions.mode != PartitionMode::Subject && self.input.subjects.len() > 1 {
+            return Err(ConfigError::invalid(
+                "input.subjects",
+                "with jetstream.enabled, give one subject: each would have its own consumer, and a message whose \
+                 events span two of them would lose some; one wildcard (`agents.*`, `agents.>`) covers several \
+                 subjects in stream order",
+            ));
+        }
         if self.jetstream.pull_batch == 0 {
             return Err(ConfigError::invalid("jetstream.pull_batch", "must be greater than 0"));
         }
@@ -785,6 +799,18 @@ impl Config {
             }
         }
         specs
+    }
+
+    /// The limits of each shard's stream table: the per-replica bounds shared by the shards (each
+    /// stream lives in one shard), `max_streams` at least one per shard, a `finished_memory` of 0
+    /// still 0 (nothing remembered).
+    pub fn table_limits(&self) -> TableLimits {
+        let shards = self.shard_count();
+        TableLimits {
+            idle_timeout: std::time::Duration::from_millis(self.shards.idle_timeout_ms),
+            max_streams: (self.shards.max_streams / shards).max(1),
+            finished_memory: self.shards.finished_memory.div_ceil(shards),
+        }
     }
 
     /// The pipeline and encoder this configuration describes: the one place both the service and
@@ -945,6 +971,33 @@ mod tests {
             let err = config(mode, enabled, ttl).unwrap_err().to_string();
             assert!(err.contains(key), "{mode:?} {enabled} {ttl}: {err}");
         }
+    }
+
+    #[test]
+    fn per_replica_bounds_are_shared_by_the_shards() {
+        let mut config = Config::default();
+        config.shards.count = 3;
+        config.shards.max_streams = 100;
+        config.shards.finished_memory = 10;
+        let limits = config.table_limits();
+        assert_eq!((limits.max_streams, limits.finished_memory), (33, 4));
+        config.shards.max_streams = 2;
+        config.shards.finished_memory = 0;
+        let limits = config.table_limits();
+        assert_eq!((limits.max_streams, limits.finished_memory), (1, 0), "one stream per shard at least");
+    }
+
+    #[test]
+    fn jetstream_input_reads_one_subject_outside_subject_mode() {
+        Jail::expect_with(|_| {
+            let two = "input.subjects=[\"agents.a\", \"agents.b\"]".to_owned();
+            assert!(Config::load(None, std::slice::from_ref(&two)).is_ok(), "core NATS may subscribe to several");
+            let err = Config::load(None, &[two.clone(), "jetstream.enabled=true".into()]).unwrap_err().to_string();
+            assert!(err.contains("input.subjects") && err.contains("one wildcard"), "{err}");
+            let one = "input.subjects=[\"agents.*\"]".to_owned();
+            assert!(Config::load(None, &[one, "jetstream.enabled=true".into()]).is_ok());
+            Ok(())
+        });
     }
 
     #[test]

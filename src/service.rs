@@ -34,7 +34,7 @@ use crate::metrics::{
     BlockFailure, CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind,
 };
 use crate::pipeline::PipelineStats;
-use crate::shard::table::{StreamTable, TableLimits, TableStats};
+use crate::shard::table::{StreamTable, TableStats};
 use crate::shard::worker::{Shard, ShardSet, ShardSettings, ShardSink, Standing};
 use crate::typed::SchemaRegistry;
 
@@ -183,11 +183,7 @@ impl RunningService {
 
         let registry = config.load_schemas()?;
         let (pipeline, encoder) = config.processing(&registry)?;
-        let limits = TableLimits {
-            idle_timeout: Duration::from_millis(config.shards.idle_timeout_ms),
-            max_streams: (config.shards.max_streams / config.shard_count()).max(1),
-            finished_memory: config.shards.finished_memory,
-        };
+        let limits = config.table_limits();
         let cancel = CancellationToken::new();
         let sink_template = NatsSink {
             client: client.clone(),
