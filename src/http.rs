@@ -2,7 +2,8 @@
 //!
 //! A minimal HTTP/1.1 server on hyper. `/metrics` renders [`Metrics`] in the Prometheus text
 //! format; `/healthz` answers 200 while the process can serve at all (503 once its NATS
-//! connection is closed for good, after `nats.max_reconnects`); `/readyz` answers 200 only
+//! connection is closed for good, after `nats.max_reconnects`, or a shard worker stopped);
+//! `/readyz` answers 200 only
 //! while the shared [`Readiness`] says the service is connected to NATS and subscribed to its
 //! input, else 503 with a one-line reason. Other paths get 404 and other methods 405.
 //!
@@ -55,6 +56,9 @@ pub struct Readiness {
     /// The NATS connection is closed for good (`nats.max_reconnects` ran out): nothing will
     /// bring it back, so the process is no longer alive in the orchestrator's sense.
     connection_lost: AtomicBool,
+    /// A shard worker stopped (a failure outside any one stream's processing): the events routed
+    /// to it can no longer be applied, so the process is no longer alive either.
+    shard_lost: AtomicBool,
 }
 
 impl Readiness {
@@ -80,9 +84,26 @@ impl Readiness {
         self.connection_lost.store(true, Ordering::Relaxed);
     }
 
+    /// Records that a shard worker stopped: `/healthz` fails from now on, so an orchestrator
+    /// restarts the process.
+    pub fn set_shard_lost(&self) {
+        self.shard_lost.store(true, Ordering::Relaxed);
+    }
+
     /// Whether the process can still do its job at all (`/healthz`).
     pub fn is_alive(&self) -> bool {
-        !self.connection_lost.load(Ordering::Relaxed)
+        self.not_alive_reason().is_none()
+    }
+
+    /// Why the process can no longer do its job, in one line, or `None` while it can.
+    pub fn not_alive_reason(&self) -> Option<&'static str> {
+        if self.connection_lost.load(Ordering::Relaxed) {
+            Some("the NATS connection is closed for good")
+        } else if self.shard_lost.load(Ordering::Relaxed) {
+            Some("a shard worker stopped")
+        } else {
+            None
+        }
     }
 
     /// Connected and subscribed.
@@ -193,8 +214,10 @@ fn respond(request: &Request<Incoming>, metrics: &Metrics, readiness: &Readiness
             response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(METRICS_CONTENT_TYPE));
             response
         }
-        "/healthz" if readiness.is_alive() => text(StatusCode::OK, "ok\n"),
-        "/healthz" => text(StatusCode::SERVICE_UNAVAILABLE, "the NATS connection is closed for good\n"),
+        "/healthz" => match readiness.not_alive_reason() {
+            None => text(StatusCode::OK, "ok\n"),
+            Some(reason) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("{reason}\n")),
+        },
         _ => match readiness.not_ready_reason() {
             None => text(StatusCode::OK, "ready\n"),
             Some(reason) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("{reason}\n")),
@@ -301,6 +324,16 @@ mod tests {
         server.readiness.set_connection_lost();
         let (status, _, body) = server.request("GET", "/healthz").await;
         assert_eq!((status, body.as_str()), (503, "the NATS connection is closed for good\n"));
+        server.shut_down().await;
+    }
+
+    #[tokio::test]
+    async fn healthz_fails_once_a_shard_worker_stopped() {
+        let server = TestServer::start().await;
+        assert_eq!(server.request("GET", "/healthz").await.0, 200);
+        server.readiness.set_shard_lost();
+        let (status, _, body) = server.request("GET", "/healthz").await;
+        assert_eq!((status, body.as_str()), (503, "a shard worker stopped\n"));
         server.shut_down().await;
     }
 

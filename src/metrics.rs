@@ -132,6 +132,9 @@ label_enum! {
         NoPassThroughSubject => "no_pass_through_subject",
         /// Filter mode: the message id belongs to a partition another replica owns.
         NotOwned => "not_owned",
+        /// Its shard's worker had stopped (a failure outside any one stream); `/healthz` fails
+        /// from then on.
+        ShardStopped => "shard_stopped",
     }
 }
 

@@ -253,6 +253,7 @@ impl RunningService {
                 max_event_bytes: config.input.max_event_bytes,
                 cancel: cancel.clone(),
                 ownership: ownership.clone(),
+                readiness: readiness.clone(),
             };
             dispatchers.push(tokio::spawn(dispatcher.run()));
         }

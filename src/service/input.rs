@@ -731,6 +731,8 @@ pub struct Dispatcher {
     pub cancel: CancellationToken,
     /// Which message ids are ours.
     pub ownership: Arc<Ownership>,
+    /// Told when a shard worker is found stopped (liveness).
+    pub readiness: Arc<crate::http::Readiness>,
 }
 
 impl Dispatcher {
@@ -836,7 +838,13 @@ impl Dispatcher {
             Route::Shards(shards) => match shards.route(ShardEvent::new(event, &payload, envelope)).await {
                 Ok(true) => self.sink.metrics.count_shard_inbox_full(),
                 Ok(false) => {}
-                Err(e) => tracing::error!(error = %e, "event lost: its shard has stopped"),
+                Err(e) => {
+                    // Nothing brings a stopped worker back: the replica must be restarted, and
+                    // its unacknowledged input (JetStream) goes to the next owner.
+                    self.readiness.set_shard_lost();
+                    self.sink.metrics.count_dropped(DropReason::ShardStopped);
+                    tracing::error!(error = %e, "event lost: its shard has stopped; /healthz fails from now on");
+                }
             },
             Route::Own(shard) => {
                 // The time it was received: no second clock read.
