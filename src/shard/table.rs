@@ -107,12 +107,15 @@ fn inject_failure(trigger: Option<&str>, delta: &str) {
     }
 }
 
-/// Test hook: panics when `publication`'s payload holds the failure trigger (see
-/// `StreamTable::panic_on_output`).
+/// Test hook: `sink`, panicking first on a publication whose payload holds the failure trigger
+/// (see `StreamTable::panic_on_output`).
 #[cfg(test)]
-fn inject_output_failure(trigger: Option<&str>, publication: &Publication) {
-    if trigger.is_some_and(|t| publication.payload.windows(t.len()).any(|w| w == t.as_bytes())) {
-        panic!("injected failure");
+fn hooked<'a>(trigger: Option<&'static str>, sink: &'a mut impl FnMut(Publication)) -> impl FnMut(Publication) + 'a {
+    move |p: Publication| {
+        if trigger.is_some_and(|t| p.payload.windows(t.len()).any(|w| w == t.as_bytes())) {
+            panic!("injected failure");
+        }
+        sink(p)
     }
 }
 
@@ -173,12 +176,7 @@ impl StreamTable {
         opened: &mut dyn FnMut(&tracing::Span),
     ) -> Disposition {
         #[cfg(test)]
-        let trigger = self.panic_on_output;
-        #[cfg(test)]
-        let sink = &mut |p: Publication| {
-            inject_output_failure(trigger, &p);
-            sink(p)
-        };
+        let sink = &mut hooked(self.panic_on_output, sink);
         let stream_id = event.stream.stream_id.as_ref();
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
@@ -247,12 +245,7 @@ impl StreamTable {
     /// Returns how many were closed. Work is proportional to the streams closed.
     pub fn expire(&mut self, now: Instant, sink: &mut impl FnMut(Publication)) -> usize {
         #[cfg(test)]
-        let trigger = self.panic_on_output;
-        #[cfg(test)]
-        let sink = &mut |p: Publication| {
-            inject_output_failure(trigger, &p);
-            sink(p)
-        };
+        let sink = &mut hooked(self.panic_on_output, sink);
         let mut closed = 0;
         while let Some((_, oldest)) = self.streams.front() {
             if now.saturating_duration_since(oldest.last_seen) < self.limits.idle_timeout {
@@ -269,12 +262,7 @@ impl StreamTable {
     /// Closes every open stream with `reason` (shutdown), oldest first.
     pub fn close_all(&mut self, reason: &str, sink: &mut impl FnMut(Publication)) {
         #[cfg(test)]
-        let trigger = self.panic_on_output;
-        #[cfg(test)]
-        let sink = &mut |p: Publication| {
-            inject_output_failure(trigger, &p);
-            sink(p)
-        };
+        let sink = &mut hooked(self.panic_on_output, sink);
         while let Some((id, open)) = self.streams.pop_front() {
             self.close(id, open, None, reason.into(), sink);
             self.stats.closed_at_shutdown += 1;
