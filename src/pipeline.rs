@@ -228,6 +228,15 @@ impl<'a> From<&'a str> for Ending<'a> {
 /// too large to publish, beside a visible text that may be up to `max_text_bytes`.
 pub const MAX_ERROR_BYTES: usize = 4096;
 
+/// The largest character boundary of `text` at or below `at` (which must be at most its length):
+/// where to cut it so that no character is split.
+fn char_floor(text: &str, mut at: usize) -> usize {
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
+}
+
 /// What an output says.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OutputKind<'a> {
@@ -709,11 +718,7 @@ impl<'a, S: Emit> Driver<'a, S> {
                 return error;
             }
             self.stats.error_texts_cut += 1;
-            let mut cut = MAX_ERROR_BYTES;
-            while !error.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            &error[..cut]
+            &error[..char_floor(error, MAX_ERROR_BYTES)]
         });
         let finish = Finish { reason: ending.reason, text_omitted: progress.visible_omitted, error };
         let kind = OutputKind::Text {
@@ -827,10 +832,7 @@ impl<S: Emit> ScanSink for Driver<'_, S> {
         }
         // The limit is hit: keep what fits (whole characters), complete with a failure, and drop
         // the rest of the capture up to its close tag.
-        let mut fit = room;
-        while !raw.is_char_boundary(fit) {
-            fit -= 1;
-        }
+        let fit = char_floor(raw, room);
         capture.payload.push_str(&raw[..fit]);
         if streamed {
             self.pending.push_str(&raw[..fit]);

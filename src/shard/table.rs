@@ -283,12 +283,10 @@ impl StreamTable {
     /// events failed (its state may be half-updated). It counts as finished: later events of it
     /// are late, and the caller is told it closed (so held input is released).
     pub fn discard(&mut self, stream_id: &str) {
-        self.pipeline.clear_scratch();
         if self.streams.remove(stream_id).is_some() {
             self.stats.failed += 1;
         }
-        self.closed.push(stream_id.into());
-        self.remember_finished(stream_id.into());
+        self.end_failed(stream_id.into());
     }
 
     /// After a panic: the stream that was being closed when it happened, if any, now counted as
@@ -297,11 +295,17 @@ impl StreamTable {
     /// drop.
     pub fn recover_failed_close(&mut self) -> Option<Box<str>> {
         let id = self.closing.take()?;
-        self.pipeline.clear_scratch();
         self.stats.failed += 1;
-        self.closed.push(id.clone());
-        self.remember_finished(id.clone());
+        self.end_failed(id.clone());
         Some(id)
+    }
+
+    /// Ends stream `id` after a caught panic: the scratch it may have left is cleared, and it is
+    /// closed (its held input released) and finished (later events of it are late).
+    fn end_failed(&mut self, id: Box<str>) {
+        self.pipeline.clear_scratch();
+        self.closed.push(id.clone());
+        self.remember_finished(id);
     }
 
     /// Keeps `id` among the recently finished streams, within `finished_memory`.
@@ -363,10 +367,11 @@ impl StreamTable {
         ending: Ending<'_>,
         sink: &mut impl FnMut(Publication),
     ) {
-        self.closing = Some(id.clone());
+        // Held here while the stream closes, so that a panic leaves it behind.
+        self.closing = Some(id);
         let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
         pipeline.finish(&mut open.state, final_text, ending, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
-        self.closing = None;
+        let id = self.closing.take().expect("set before the stream closed");
         open.span.record("stream.outputs", open.state.seq());
         open.span.record("stream.finish_reason", ending.reason);
         self.closed.push(id.clone());

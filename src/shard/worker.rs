@@ -444,6 +444,16 @@ mod tests {
         ShardEvent::new(decode(&payload, 1 << 20).unwrap(), &payload, envelope)
     }
 
+    /// A `partial` of message `id`.
+    fn delta(id: &str, text: &str, envelope: u32) -> ShardEvent<u32> {
+        event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
+    }
+
+    /// A `final` of message `id`, without text.
+    fn fin(id: &str, envelope: u32) -> ShardEvent<u32> {
+        event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), envelope)
+    }
+
     fn settings(count: usize) -> ShardSettings {
         ShardSettings { count, inbox_capacity: 2, expiry_tick: Duration::from_millis(100), close_on_shutdown: true }
     }
@@ -497,11 +507,6 @@ mod tests {
             table.panic_on_delta = Some("boom");
             (table, log.clone())
         });
-        let delta = |id: &str, text: &str, envelope| {
-            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
-        };
-        let fin =
-            |id: &str, envelope| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), envelope);
         set.route(delta("bad", "before ", 1)).await.unwrap();
         set.route(delta("good", "a ", 2)).await.unwrap();
         set.route(delta("bad", "boom", 3)).await.unwrap();
@@ -519,10 +524,6 @@ mod tests {
         assert!(!log.iter().any(|l| l.contains(" bad:2 ")), "nothing of the failed event is published: {log:?}");
     }
 
-    fn delta(id: &str, text: &str, envelope: u32) -> ShardEvent<u32> {
-        event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
-    }
-
     #[tokio::test]
     async fn a_failure_leaves_nothing_of_its_stream_for_the_next_one() {
         use prost::Message as _;
@@ -536,7 +537,7 @@ mod tests {
         // streams; emitting it fails.
         set.route(delta("bad", "hi <core:x:v1>secret boom", 1)).await.unwrap();
         set.route(delta("good", "hello", 2)).await.unwrap();
-        set.route(event(r#"{"type":"final","meta":{"message_id":"good"}}"#, 3)).await.unwrap();
+        set.route(fin("good", 3)).await.unwrap();
         set.shutdown().await;
         assert!(log.0.lock().unwrap().contains(&"dead 1 internal_error".to_owned()));
         let payloads = log.1.lock().unwrap().clone();
@@ -592,9 +593,6 @@ mod tests {
             table.panic_on_delta = Some("boom");
             (table, log.clone())
         });
-        let delta = |id: &str, text: &str, envelope| {
-            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"{text}"}}"#), envelope)
-        };
         set.route(delta("old", "a <core:x:v1>half", 1)).await.unwrap();
         // Opening `new` evicts `old` (one stream at most), then processing `new`'s delta fails.
         set.route(delta("new", "boom", 2)).await.unwrap();
@@ -618,18 +616,13 @@ mod tests {
     async fn each_applied_event_is_told_whether_it_opened_followed_or_repeated() {
         let log = Recorder::default();
         let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(60)), log.clone()));
-        let delta = |id: &str, sequence| {
-            event(&format!(r#"{{"type":"partial","meta":{{"message_id":"{id}"}},"delta":"d "}}"#), sequence)
-        };
-        let fin =
-            |id: &str, sequence| event(&format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#), sequence);
         for routed in [
-            delta("a", 10),
-            delta("a", 11),
-            delta("b", 12),
-            delta("a", 11), // a redelivery of the last one applied
-            delta("a", 7),  // lower than any applied: a redelivery from before a takeover
-            delta("a", 13),
+            delta("a", "d ", 10),
+            delta("a", "d ", 11),
+            delta("b", "d ", 12),
+            delta("a", "d ", 11), // a redelivery of the last one applied
+            delta("a", "d ", 7),  // lower than any applied: a redelivery from before a takeover
+            delta("a", "d ", 13),
             fin("a", 14),
             fin("c", 15), // opens and ends its stream at once
         ] {
