@@ -125,9 +125,26 @@ impl<S: ShardSink> Shard<S> {
         // with its other streams. Outputs the event had produced for its own stream are dropped
         // with it; those of a stream it closed first (evicted to make room) are published, since
         // that stream is closed and its input acknowledged.
-        let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
-        }));
+        let failed = event.stream.stream_id.as_ref();
+        let mut broken = None;
+        let applied = loop {
+            let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
+            }));
+            if attempt.is_err() {
+                broken = table.recover_failed_close();
+                // Closing a stream evicted to make room failed: that costs the evicted stream only.
+                // Eviction comes before the event's stream opens, so the event touched nothing yet,
+                // and there is room now: it is applied again. (Each retry has one stream fewer
+                // open, so this ends.)
+                if let Some(evicted) = broken.take_if(|id| id.as_ref() != failed) {
+                    outputs.retain(|p| p.stream_id() != evicted.as_ref());
+                    tracing::error!(shard = *index, stream_id = %evicted, "closing an evicted stream failed; it was discarded");
+                    continue;
+                }
+            }
+            break attempt;
+        };
         match applied {
             Ok(disposition @ (Disposition::Applied | Disposition::Duplicate)) => {
                 let standing = match disposition {
@@ -143,21 +160,14 @@ impl<S: ShardSink> Shard<S> {
             Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
             Err(_) => {
-                let failed = event.stream.stream_id.as_ref();
-                // A failure while closing a stream (the event's own, or one evicted to make room for
-                // it) costs that stream too: it is closed without its last outputs.
-                let broken = table.recover_failed_close();
-                let broken = broken.as_deref();
-                // Only streams that did close.
+                // Only streams that did close (a failure while closing the event's own stream has
+                // closed it already, without its last outputs).
                 outputs.retain(|p| {
                     let id = p.stream_id();
-                    id != failed && Some(id) != broken && table.has_closed(id)
+                    id != failed && table.has_closed(id)
                 });
-                if broken != Some(failed) {
+                if broken.is_none() {
                     table.discard(failed);
-                }
-                if let Some(broken) = broken.filter(|&b| b != failed) {
-                    tracing::error!(shard = *index, stream_id = %broken, "closing an evicted stream failed; it was discarded");
                 }
                 tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
                 for p in outputs.drain(..) {
@@ -610,6 +620,41 @@ mod tests {
         assert!(evicted.iter().all(|&i| i < position("closed old")), "{log:?}");
         assert!(position("dead 2 internal_error") < position("closed new"), "{log:?}");
         assert!(!log.iter().any(|l| l.contains(" new:")), "nothing of the failed stream is published: {log:?}");
+    }
+
+    #[tokio::test]
+    async fn a_failure_while_evicting_a_stream_costs_the_evicted_stream_not_the_event() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
+            let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
+            let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+            let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
+            let mut table = StreamTable::new(pipeline, encoder, limits);
+            // Held back as a possible tag, so only closing `old` outputs it.
+            table.panic_on_output = Some("<core:x");
+            (table, log.clone())
+        });
+        set.route(delta("old", "a <core:x", 1)).await.unwrap();
+        // Opening `new` evicts `old` (one stream at most), and closing `old` fails.
+        set.route(delta("new", "hello", 2)).await.unwrap();
+        set.route(fin("new", 3)).await.unwrap();
+        set.route(delta("old", "more", 4)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
+        assert!(log.contains(&"applied old 1 Opened".to_owned()), "{log:?}");
+        assert!(!log.iter().any(|l| l.contains(" old:2 ")), "no final of the broken stream: {log:?}");
+        assert!(log.contains(&"closed old".to_owned()), "its held input is released: {log:?}");
+        assert!(log.contains(&"applied new 2 Opened".to_owned()), "{log:?}");
+        assert!(!log.iter().any(|l| l.starts_with("dead 2")), "the event that made room is applied: {log:?}");
+        let new: Vec<&String> = log.iter().filter(|l| l.contains(" new:")).collect();
+        assert_eq!(new.len(), 2, "its delta and its final: {log:?}");
+        assert!(position("applied new 3 Following") < position("closed new"), "{log:?}");
+        assert!(
+            log.contains(&"dead 4 stream_finished".to_owned()),
+            "later events of the broken stream are late: {log:?}"
+        );
     }
 
     #[tokio::test]
