@@ -15,6 +15,7 @@
 mod input;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -207,6 +208,7 @@ impl RunningService {
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
             stopping: cancel.clone(),
+            unconfirmed_at_stop: Arc::default(),
         };
 
         let ownership = Arc::new(input::Ownership::new(&config)?);
@@ -406,6 +408,9 @@ pub struct NatsSink {
     /// Fired when the service begins to stop: outputs not confirmed by then are no longer
     /// published again (their input stays unacknowledged for the next owner).
     stopping: CancellationToken,
+    /// Set, for every worker's sink, once outputs went unconfirmed after the service began to
+    /// stop: later confirmations are not awaited (see [`NatsSink::await_confirmations`]).
+    unconfirmed_at_stop: Arc<AtomicBool>,
 }
 
 /// What every output of one kind shares, prepared once and cloned for each output: its NATS
@@ -573,6 +578,7 @@ impl Clone for NatsSink {
             unconfirmed_total: 0,
             unconfirmed_failures: Default::default(),
             stopping: self.stopping.clone(),
+            unconfirmed_at_stop: self.unconfirmed_at_stop.clone(),
         }
     }
 }
@@ -600,8 +606,19 @@ impl NatsSink {
     /// worker, which is the backpressure a durable pipeline wants while its output store is
     /// unavailable; at shutdown the unacknowledged input goes to the next owner, which rebuilds the
     /// stream.
+    ///
+    /// Once outputs went unconfirmed after the service began to stop, later ones are not awaited:
+    /// the server is not storing them, and awaiting would cost each closing stream a confirmation
+    /// timeout and a JetStream API timeout (about 4 s) of the shutdown's time, for the same end
+    /// (the input left unacknowledged).
     async fn await_confirmations(&self, pending: Vec<Unconfirmed>) -> bool {
         let Some(js) = self.confirm.as_ref() else { return true };
+        if pending.is_empty() {
+            return true;
+        }
+        if self.stopping.is_cancelled() && self.unconfirmed_at_stop.load(Ordering::Relaxed) {
+            return false;
+        }
         let mut pending = pending;
         let mut round = 0u32;
         loop {
@@ -613,8 +630,7 @@ impl NatsSink {
                 _ => error.to_string(),
             };
             if self.stopping.is_cancelled() {
-                tracing::warn!(outputs = failed.len(), %error, "stopping with outputs whose storage is not confirmed");
-                return false;
+                return self.unconfirmed_when_stopping(failed.len(), &error);
             }
             round += 1;
             if round % ROUNDS_PER_ERROR_LOG == 0 {
@@ -627,10 +643,7 @@ impl NatsSink {
             let backoff = Duration::from_millis(100 * u64::from(round.min(10)));
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
-                _ = self.stopping.cancelled() => {
-                    tracing::warn!(outputs = failed.len(), %error, "stopping with outputs whose storage is not confirmed");
-                    return false;
-                }
+                _ = self.stopping.cancelled() => return self.unconfirmed_when_stopping(failed.len(), &error),
             }
             pending = Vec::with_capacity(failed.len());
             for (output, _) in failed {
@@ -640,6 +653,14 @@ impl NatsSink {
                 pending.push(Unconfirmed { sent, output });
             }
         }
+    }
+
+    /// The end of [`NatsSink::await_confirmations`] when `outputs` went unconfirmed after the
+    /// service began to stop: logged, and remembered so that later confirmations are not awaited.
+    fn unconfirmed_when_stopping(&self, outputs: usize, error: &str) -> bool {
+        self.unconfirmed_at_stop.store(true, Ordering::Relaxed);
+        tracing::warn!(outputs, %error, "stopping with outputs whose storage is not confirmed");
+        false
     }
 
     /// Whether a JetStream stream stores output `subject`, from the JetStream API, remembered for
@@ -935,8 +956,12 @@ impl ShardSink for NatsSink {
     }
 
     async fn flush(&mut self) {
-        if let Err(e) = self.client.flush().await {
-            tracing::error!(error = %e, "flush failed");
+        // Bounded: while the connection is down, async-nats' flush waits for a reconnect, which
+        // would hold the shutdown to its timeout.
+        match tokio::time::timeout(CONFIRM_TIMEOUT, self.client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "flush failed"),
+            Err(_) => tracing::warn!("flush timed out; the connection is down"),
         }
     }
 }

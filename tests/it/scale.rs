@@ -547,6 +547,45 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
     assert_eq!(group(&got), expected);
 }
 
+/// With the server gone, a JetStream replica's shutdown does not wait out a confirmation timeout
+/// and a JetStream API timeout (about 4 s) for every stream it closes: once one stream's outputs
+/// went unconfirmed after stopping began, the server is taken for gone and the others' are not
+/// awaited (their input stays unacknowledged for the next owner either way); the last flush
+/// gives up too. Eight streams expire while the server is down; the shutdown must end within its
+/// timeout, which eight such waits exceed (it took about 6 s, against 15 s and more before).
+#[tokio::test]
+async fn shutdown_with_the_server_gone_does_not_wait_for_each_closing_stream() {
+    let mut server = NatsServer::builder().config(mapping(1)).start();
+    let mut config = jetstream_config(&server.url());
+    config.partitions.count = 1;
+    config.shards.count = 1;
+    config.shards.idle_timeout_ms = 1_000;
+    config.shards.expiry_tick_ms = 200;
+    config.service.shutdown_timeout_ms = 15_000;
+    let service = RunningService::start(config).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let events: Vec<(String, String)> = (0..8)
+        .map(|s| {
+            let id = format!("msg-{s:04}");
+            let event = serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": format!("s{s} ")});
+            (id, event.to_string())
+        })
+        .collect();
+    publish_inputs(&js, &events, 0..events.len()).await;
+    // Each delta's visible text is stored downstream before the server goes.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.info().await.unwrap().state.messages < 8 {
+        assert!(Instant::now() < deadline, "the deltas' outputs were stored");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server.stop();
+    // The streams expire; the first one's final waits for a confirmation that cannot come.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let started = Instant::now();
+    let stopped = service.shutdown().await;
+    assert!(stopped.is_ok(), "stopped within the shutdown timeout: {stopped:?} after {:?}", started.elapsed());
+}
+
 /// The pin of each partition consumer's priority group: `None` while no replica is pinned.
 async fn pins(stream: &jetstream::stream::Stream, partitions: u32) -> Vec<Option<String>> {
     let mut pins = Vec::new();
