@@ -435,6 +435,9 @@ fn geppetto_json(
             meta.insert(key.to_owned(), value.as_str().into());
         }
     }
+    // `geppetto-json` attaches the cumulative text to every text output, except past
+    // `pipeline.max_text_bytes`, where it is no longer kept (so memory stays bounded).
+    let omitted = text.is_none() || finish.is_some_and(|f| f.text_omitted);
     let text = text.unwrap_or_default();
     let mut event = match (header.vocabulary, finish) {
         (_, Some(Finish { error: Some(error), .. })) => serde_json::json!({
@@ -462,6 +465,11 @@ fn geppetto_json(
     // The shared shapes carry the canonical correlation too, as every canonical event does.
     if header.vocabulary == Vocabulary::Canonical && event.get("correlation").is_none() {
         event["correlation"] = serde_json::json!({ "segment_id": stream.stream_id });
+    }
+    // geppetto has no field for it: said as the protobuf form says it, so that an empty
+    // `completion`/`text` does not pass for the whole text (Go's decoder ignores the field).
+    if omitted {
+        event["text_omitted"] = true.into();
     }
     Bytes::from(serde_json::to_vec(&event).unwrap_or_default())
 }
@@ -797,6 +805,43 @@ mod tests {
         ];
         assert_eq!(sequences, expected.map(|(t, n)| (t.to_owned(), n)));
         assert!(pubs.len() > 4, "block and thinking outputs lie between them");
+    }
+
+    #[test]
+    fn geppetto_events_say_when_the_cumulative_text_is_omitted() {
+        let limits = PipelineLimits {
+            cumulative_text: crate::pipeline::CumulativeText::Every,
+            max_text_bytes: 8,
+            ..Default::default()
+        };
+        let mut pipeline = Pipeline::new(Vec::new(), limits).unwrap();
+        let mut encoder =
+            OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), TextEncoding::GeppettoJson);
+        let identity =
+            StreamIdentity { message_id: Cow::Borrowed("m"), stream_id: Cow::Borrowed("s"), ..Default::default() };
+        let header = StreamHeader::new(&identity, Vocabulary::Legacy);
+        let mut s = StreamState::new();
+        let mut pubs = Vec::new();
+        let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
+        for delta in ["hello ", "world, ", "again"] {
+            pipeline.feed(&mut s, delta, &mut sink);
+        }
+        pipeline.finish(&mut s, None, "stop", &mut sink);
+        let events: Vec<(String, String, Option<bool>)> = pubs
+            .iter()
+            .map(|p| serde_json::from_slice::<serde_json::Value>(&p.payload).unwrap())
+            .map(|e| {
+                let text = e.get("completion").or(e.get("text")).and_then(|t| t.as_str()).unwrap().to_owned();
+                (e["type"].as_str().unwrap().to_owned(), text, e.get("text_omitted").and_then(|o| o.as_bool()))
+            })
+            .collect();
+        let expected = [
+            ("partial", "hello ", None),
+            ("partial", "", Some(true)),
+            ("partial", "", Some(true)),
+            ("final", "", Some(true)),
+        ];
+        assert_eq!(events, expected.map(|(t, c, o)| (t.to_owned(), c.to_owned(), o)));
     }
 
     #[test]
