@@ -195,13 +195,7 @@ impl RunningService {
             reported: Reported::default(),
             templates: OutputTemplates::default(),
             held: HeldAcks::default(),
-            // A short timeout: a confirmation lost with a failing server is published again soon
-            // instead of holding the worker for async-nats' default of 5 s per awaited
-            // confirmation (`ack_timeout` would only bound confirmations nobody awaits).
-            confirm: config
-                .jetstream
-                .enabled
-                .then(|| async_nats::jetstream::ContextBuilder::new().timeout(CONFIRM_TIMEOUT).build(client.clone())),
+            confirm: config.jetstream.enabled.then(|| confirming_context(&client)),
             input_stream: config.jetstream.stream.as_str().into(),
             captures: FastMap::default(),
             unconfirmed: FastMap::default(),
@@ -556,9 +550,24 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
 const CAPTURE_TTL: Duration = Duration::from_secs(10);
 
 /// Confirmations outstanding per worker before all of them are awaited. It bounds memory, and
-/// stays well below async-nats' limit of in-flight publish acks (5,000 per connection), beyond
-/// which a publish would wait for permits that only awaiting confirmations frees.
+/// stays below the in-flight publish acks of the worker's own JetStream context
+/// ([`confirming_context`]), beyond which a publish would wait for permits that only awaiting
+/// confirmations frees.
 const MAX_UNCONFIRMED: usize = 1024;
+
+/// A JetStream context for one worker's storage confirmations. One per worker: async-nats bounds
+/// the confirmations in flight per context, and a worker holds up to [`MAX_UNCONFIRMED`] of them
+/// unawaited, so workers sharing a context (5,000 slots) could all wait for a slot that only one
+/// of them awaiting its confirmations would free, and stop for good. The timeout is short: a
+/// confirmation lost with a failing server is published again soon instead of holding the worker
+/// for async-nats' default of 5 s per awaited confirmation (`ack_timeout` would only bound
+/// confirmations nobody awaits).
+fn confirming_context(client: &async_nats::Client) -> async_nats::jetstream::Context {
+    async_nats::jetstream::ContextBuilder::new()
+        .timeout(CONFIRM_TIMEOUT)
+        .max_ack_inflight(2 * MAX_UNCONFIRMED)
+        .build(client.clone())
+}
 
 impl Clone for NatsSink {
     /// A sink for another worker: same connection and settings, nothing held.
@@ -571,7 +580,8 @@ impl Clone for NatsSink {
             reported: Reported::default(),
             templates: OutputTemplates::default(),
             held: HeldAcks::default(),
-            confirm: self.confirm.clone(),
+            // Its own: the in-flight bound is per context (see `confirming_context`).
+            confirm: self.confirm.as_ref().map(|_| confirming_context(&self.client)),
             input_stream: self.input_stream.clone(),
             captures: FastMap::default(),
             unconfirmed: FastMap::default(),

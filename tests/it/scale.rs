@@ -586,6 +586,43 @@ async fn shutdown_with_the_server_gone_does_not_wait_for_each_closing_stream() {
     assert!(stopped.is_ok(), "stopped within the shutdown timeout: {stopped:?} after {:?}", started.elapsed());
 }
 
+/// Each worker awaits its outputs' storage confirmations once it has 1,024 unawaited (or when a
+/// stream ends). async-nats bounds the confirmations in flight per JetStream context (5,000), and
+/// all workers shared one context: with eight workers and thousands of open streams, every worker
+/// waited for a slot that only another worker's awaiting could free, and the service stopped for
+/// good at 5,000 outputs. Eight thousand streams of one delta each must all come out.
+#[tokio::test]
+async fn many_workers_with_many_open_streams_do_not_exhaust_the_confirmations_in_flight() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let mut config = jetstream_config(&server.url());
+    config.partitions.count = 1;
+    config.shards.count = 8;
+    config.service.shutdown_timeout_ms = 5_000;
+    let service = RunningService::start(config).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let streams = 8_000;
+    for chunk in (0..streams).collect::<Vec<usize>>().chunks(1_000) {
+        let mut acks = Vec::new();
+        for &s in chunk {
+            let id = format!("msg-{s:05}");
+            let event = serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": "hello "});
+            let message = PublishMessage::build().payload(event.to_string().into()).message_id(format!("input-{s}"));
+            acks.push(js.send_publish(format!("chat.raw.{id}"), message).await.unwrap());
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut stored = 0;
+    while stored < streams as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stored = out.info().await.unwrap().state.messages;
+    }
+    assert_eq!(stored, streams as u64, "every stream's delta stored downstream");
+    service.shutdown().await.unwrap();
+}
+
 /// The pin of each partition consumer's priority group: `None` while no replica is pinned.
 async fn pins(stream: &jetstream::stream::Stream, partitions: u32) -> Vec<Option<String>> {
     let mut pins = Vec::new();
