@@ -117,6 +117,12 @@ pub struct Envelope {
     sequence: Option<u64>,
     /// JetStream: delivered before (a redelivery).
     redelivered: bool,
+    /// JetStream: a delivery of a message that a recovery has read from the stream and processed
+    /// already (see `input::Recovery`). Whatever of it goes out as the input itself (a dead letter,
+    /// a pass-through) went out then: the delivery is only acknowledged, or the consumer's
+    /// redelivery (after `ack_wait_ms`, beyond a downstream duplicate window) would be published
+    /// twice.
+    rebuilt: bool,
 }
 
 impl RunningService {
@@ -705,6 +711,9 @@ impl NatsSink {
     }
 
     async fn dead_letter_with_detail(&mut self, envelope: Envelope, reason: &'static str, detail: &str) {
+        if envelope.rebuilt {
+            return self.ack(&envelope).await;
+        }
         if let Some(reason) = DeadLetterReason::from_label(reason) {
             self.metrics.count_dead_letter(reason);
         }
@@ -855,6 +864,9 @@ impl ShardSink for NatsSink {
     }
 
     async fn pass_through(&mut self, envelope: Envelope) {
+        if envelope.rebuilt {
+            return self.ack(&envelope).await;
+        }
         match self.pass_through.clone() {
             Some(subject) => {
                 self.metrics.count_passed_through();

@@ -115,6 +115,9 @@ pub struct AckPosition {
     pub stream_sequence: u64,
     /// How many times it has been delivered, this delivery included.
     pub delivered: u64,
+    /// The delivery's sequence in its consumer: one more for every delivery, redeliveries
+    /// included, so a jump means deliveries that did not reach this client.
+    pub consumer_sequence: u64,
 }
 
 /// The position a JetStream ack subject carries, in either form of NATS ADR-15:
@@ -123,14 +126,14 @@ pub struct AckPosition {
 /// (and possibly more after `<pending>`); `None` for any other subject.
 ///
 /// Why not async-nats' `Message::info`: it parses every token, the timestamp into a date, about
-/// 1,600 instructions per event (callgrind over the bench's JetStream input); these two numbers
+/// 1,600 instructions per event (callgrind over the bench's JetStream input); these three numbers
 /// are all the service uses. Stream and consumer names hold no `.`, so the tokens are positional,
 /// as async-nats reads them.
 pub fn ack_position(reply: &str) -> Option<AckPosition> {
     let tokens = reply.strip_prefix("$JS.ACK.")?.as_bytes();
-    // Where each of the first seven tokens starts (one past a dot), and how many there are: one
+    // Where each of the first eight tokens starts (one past a dot), and how many there are: one
     // pass over the bytes, which `split('.')` (a searcher per token) took five times as long for.
-    let mut starts = [0; 7];
+    let mut starts = [0; 8];
     let mut count = 1;
     for (at, &b) in tokens.iter().enumerate() {
         if b == b'.' {
@@ -145,9 +148,13 @@ pub fn ack_position(reply: &str) -> Option<AckPosition> {
         9.. => 4,
         _ => return None,
     };
-    // Each token ends one before the next one's start; the stream sequence is never the last.
+    // Each token ends one before the next one's start; the consumer sequence is never the last.
     let token = |i: usize| &tokens[starts[i]..starts[i + 1] - 1];
-    Some(AckPosition { delivered: decimal(token(delivered))?, stream_sequence: decimal(token(delivered + 1))? })
+    Some(AckPosition {
+        delivered: decimal(token(delivered))?,
+        stream_sequence: decimal(token(delivered + 1))?,
+        consumer_sequence: decimal(token(delivered + 2))?,
+    })
 }
 
 /// A non-empty run of ASCII digits as a `u64`; `None` for anything else or an overflow.
@@ -167,14 +174,16 @@ mod tests {
 
     #[test]
     fn ack_positions_are_read_from_both_forms_of_the_ack_subject() {
-        let at = |stream_sequence, delivered| Some(AckPosition { stream_sequence, delivered });
+        let at = |stream_sequence, delivered, consumer_sequence| {
+            Some(AckPosition { stream_sequence, delivered, consumer_sequence })
+        };
         // The form nats-server 2.9 sends: stream, consumer, delivered, stream sequence, consumer
         // sequence, timestamp, pending.
-        assert_eq!(ack_position("$JS.ACK.chat.sink-p0.1.4711.4700.1764000000000000000.12"), at(4711, 1));
+        assert_eq!(ack_position("$JS.ACK.chat.sink-p0.1.4711.4700.1764000000000000000.12"), at(4711, 1, 4700));
         // With domain and account hash, and with the trailing random token.
-        assert_eq!(ack_position("$JS.ACK._.ACCHASH.chat.sink-p0.3.18446744073709551615.9.1764.0"), at(u64::MAX, 3));
-        assert_eq!(ack_position("$JS.ACK.hub.ACCHASH.chat.sink-p0.2.77.9.1764.0.xyz"), at(77, 2));
-        assert_eq!(ack_position("$JS.ACK.hub.ACCHASH.chat.sink-p0.2.77.9.1764.0.xyz.more"), at(77, 2));
+        assert_eq!(ack_position("$JS.ACK._.ACCHASH.chat.sink-p0.3.18446744073709551615.9.1764.0"), at(u64::MAX, 3, 9));
+        assert_eq!(ack_position("$JS.ACK.hub.ACCHASH.chat.sink-p0.2.77.9.1764.0.xyz"), at(77, 2, 9));
+        assert_eq!(ack_position("$JS.ACK.hub.ACCHASH.chat.sink-p0.2.77.9.1764.0.xyz.more"), at(77, 2, 9));
         // Anything else: a subject of another kind, a wrong number of tokens, a number that is
         // not one.
         for reply in [
@@ -188,6 +197,7 @@ mod tests {
             "$JS.ACK.chat.sink-p0.1.18446744073709551616.4700.1764.12",
             "$JS.ACK.chat.sink-p0.1.+4711.4700.1764.12",
             "$JS.ACK.chat.sink-p0.1.4711.4700.1764.12.",
+            "$JS.ACK.chat.sink-p0.1.4711.x4700.1764.12",
             "$JS.NAK.chat.sink-p0.1.4711.4700.1764.12",
         ] {
             assert_eq!(ack_position(reply), None, "{reply}");

@@ -142,8 +142,8 @@ pub enum Source {
     JetStream(Box<JetStreamSource>),
 }
 
-/// A partition's pull consumer, and with `jetstream.pinned_client` what it takes to take the
-/// partition over from another replica.
+/// A partition's pull consumer, what it takes to read the partition again when deliveries did not
+/// reach this replica, and with `jetstream.pinned_client` its pin.
 pub struct JetStreamSource {
     consumer: jetstream::consumer::PullConsumer,
     /// How much one pull request asks for.
@@ -155,6 +155,8 @@ pub struct JetStreamSource {
     /// dropped whenever the dispatcher's expiry tick or shutdown comes first, and a sleep would
     /// start again on every call (with a tick as long as the wait, for good).
     open_at: Option<tokio::time::Instant>,
+    /// Reading the partition from the stream before going on (see [`Recovery`]).
+    recovery: Recovery,
     /// Set for pinned-client consumers.
     pinned: Option<Pinned>,
 }
@@ -206,35 +208,45 @@ const PRIORITY_GROUP: &str = "sink";
 /// start the server pins each partition to its owner (the first client to pull gets the pin).
 const STANDBY_DELAY: Duration = Duration::from_secs(1);
 
-/// Takeover state of a pinned-client partition consumer.
-///
-/// The server delivers a partition to one pinned pull client at a time. When the pin moves here
-/// (the previous client died, or stopped pulling for `pinned_ttl_ms`), the messages the previous
-/// client received and did not acknowledge are still pending: the server redelivers them only
-/// after `ack_wait`, after newer messages, so the streams that were open there would be rebuilt
-/// from the middle. Instead, on the first delivery under a new pin id this replica reads the
-/// partition's messages from the consumer's ack floor + 1 up to its delivered sequence straight
-/// from the stream, in order, through an ephemeral ordered consumer, and only then goes on with the
-/// consumer's deliveries. A delivery at or below that sequence was rebuilt already: it is marked as
-/// a redelivery, so the table skips it by stream sequence (or, for a stream that has ended, the
-/// sink acknowledges it as delivered twice) and its ack is taken like any other.
+/// The pin of a pinned-client partition consumer. The server delivers a partition to one pinned
+/// pull client at a time; a delivery under a new pin id means the partition moved here (the
+/// previous client died, or stopped pulling for `pinned_ttl_ms`) and starts a [`Recovery`].
 struct Pinned {
-    stream: stream::Stream,
-    subject: String,
     /// Pull expiry: well below the pin TTL, since the pin lapses when no pull arrives in time.
     expires: Duration,
     /// The pin id of the latest delivery: `None` before the first and after a new pull stream.
     pin: Option<String>,
+}
+
+/// Reading a partition again from its consumer's ack floor, when deliveries did not reach this
+/// replica: at a takeover (a new pin: the previous client received them), or when the consumer
+/// sequence of a delivery jumps (a connection lost with deliveries in flight, which the server
+/// counts as delivered).
+///
+/// Such deliveries are still pending, but the server redelivers them only after `ack_wait`, after
+/// newer messages: applied then, a stream's later events would have gone first (a lost delivery
+/// of an open stream would be skipped as a duplicate of them), and the streams open at a takeover
+/// would be rebuilt from the middle. Instead, before handing on the delivery that revealed the
+/// loss, this replica reads the partition's messages from the consumer's ack floor + 1 up to its
+/// delivered sequence straight from the stream, in order, through an ephemeral ordered consumer.
+/// A delivery at or below that sequence was rebuilt already: it is marked as a redelivery, so the
+/// table skips it by stream sequence (or, for a stream that has ended, the sink acknowledges it as
+/// delivered twice) and its ack is taken like any other.
+struct Recovery {
+    stream: stream::Stream,
+    subject: String,
+    /// The consumer sequence of the latest delivery here: `None` before the first.
+    last_delivery: Option<u64>,
     /// Deliveries at or below this stream sequence have been rebuilt from the stream.
     rebuilt_through: u64,
     /// A rebuild in progress.
     rebuild: Option<Rebuild>,
-    /// The delivery that revealed a new pin, until its takeover has started: kept here rather
-    /// than in a future, so that a dropped [`JetStreamSource::next`] loses nothing.
+    /// The delivery that revealed the loss, until its rebuild has started: kept here rather than
+    /// in a future, so that a dropped [`JetStreamSource::next`] loses nothing.
     revealed: Option<Envelope>,
 }
 
-/// A takeover's read of the stream.
+/// A recovery's read of the stream.
 struct Rebuild {
     /// The ordered read from `next`: `None` until it is opened, and again after it went idle.
     reader: Option<pull::Ordered>,
@@ -247,20 +259,20 @@ struct Rebuild {
     idle_at: tokio::time::Instant,
     /// No read opens before this (at once at first, [`REOPEN_PAUSE`] after an attempt).
     open_at: tokio::time::Instant,
-    /// The last stream sequence to read: the consumer's delivered sequence at the takeover.
+    /// The last stream sequence to read: the consumer's delivered sequence when it started.
     through: u64,
-    /// The delivery that revealed the new pin, handed on after the rebuilt messages.
+    /// The delivery that revealed the loss, handed on after the rebuilt messages.
     revealed: Envelope,
 }
 
-/// How long a takeover's stream read may go without a message before it is opened again from
+/// How long a recovery's stream read may go without a message before it is opened again from
 /// where it stands. The new read either goes on (the old one had stalled: a leader election, a
 /// reconnect) or finds nothing left to read (the messages up to the delivered sequence were
 /// removed by the stream's limits since they were delivered), which ends the rebuild.
 const REBUILD_IDLE: Duration = Duration::from_secs(5);
 
 /// The pause before a pull stream that ended opens again, and between two attempts to open a
-/// takeover's stream read.
+/// recovery's stream read.
 const REOPEN_PAUSE: Duration = Duration::from_millis(200);
 
 /// Opens an ordered read of `subject` in `stream` from stream sequence `from`; `None` when
@@ -383,7 +395,9 @@ async fn open_consumers(
             .await
             .map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        let source = JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, pinned: None };
+        let recovery = Recovery::new(&stream, &subject);
+        let source =
+            JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -451,17 +465,11 @@ async fn open_pinned_consumers(
             }
         };
         tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
-        let pinned = Pinned {
-            stream: stream.clone(),
-            subject: subject.clone(),
-            expires: ttl / 3,
-            pin: None,
-            rebuilt_through: 0,
-            rebuild: None,
-            revealed: None,
-        };
+        let pinned = Pinned { expires: ttl / 3, pin: None };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
-        let source = JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, open_at, pinned: Some(pinned) };
+        let recovery = Recovery::new(stream, &subject);
+        let source =
+            JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, open_at, recovery, pinned: Some(pinned) };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -502,17 +510,17 @@ impl Source {
 impl JetStreamSource {
     /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
     ///
-    /// Cancel-safe: every state it waits in lives in `self` (a takeover's revealing delivery in
-    /// [`Pinned::revealed`], a rebuild's read in [`Pinned::rebuild`], the waits before a pull
+    /// Cancel-safe: every state it waits in lives in `self` (a recovery's revealing delivery in
+    /// [`Recovery::revealed`], a rebuild's read in [`Recovery::rebuild`], the waits before a pull
     /// stream opens and before a rebuild's read counts as idle as deadlines), and async-nats' pull
     /// stream sends no pull request before its first poll, so opening one may be dropped too.
     async fn next(&mut self) -> Envelope {
         loop {
-            if let Some(envelope) = self.next_rebuilt().await {
+            if let Some(envelope) = self.recovery.next_rebuilt().await {
                 return envelope;
             }
-            if let Some(pinned) = self.pinned.as_mut().filter(|p| p.revealed.is_some()) {
-                pinned.start_rebuild(&self.consumer).await;
+            if self.recovery.revealed.is_some() {
+                self.recovery.start_rebuild(&self.consumer).await;
                 continue;
             }
             let Some(messages) = self.messages.as_mut() else {
@@ -530,14 +538,27 @@ impl JetStreamSource {
                 }
                 Some(Ok(message)) => {
                     // Only pinned-client consumers carry a pin: others skip the header lookup.
-                    let Some(pinned) = self.pinned.as_mut() else { return Envelope::jetstream(message) };
-                    let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
-                    let envelope = Envelope::jetstream(message);
-                    if pin.is_none() || pin == pinned.pin {
-                        return pinned.mark(envelope);
+                    let new_pin = self.pinned.as_mut().is_some_and(|pinned| {
+                        let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
+                        let new = pin.is_some() && pin != pinned.pin;
+                        if new {
+                            pinned.pin = pin;
+                        }
+                        new
+                    });
+                    let (envelope, delivery) = Envelope::jetstream(message);
+                    let missed = self.recovery.missed(delivery);
+                    if !new_pin && !missed {
+                        return self.recovery.mark(envelope);
                     }
-                    pinned.pin = pin;
-                    pinned.revealed = Some(envelope);
+                    if !new_pin {
+                        tracing::warn!(
+                            subject = %self.recovery.subject,
+                            delivery,
+                            "deliveries did not reach this replica (lost with a connection); reading the partition again from the ack floor"
+                        );
+                    }
+                    self.recovery.revealed = Some(envelope);
                 }
                 Some(Err(e)) => {
                     // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
@@ -552,11 +573,13 @@ impl JetStreamSource {
     /// standby takes over now instead of after `pinned_ttl_ms` (the unacknowledged input of the
     /// streams open here is rebuilt there).
     async fn release(&mut self) {
-        let Some(pinned) = self.pinned.as_ref().filter(|p| p.pin.is_some()) else { return };
+        if self.pinned.as_ref().is_none_or(|p| p.pin.is_none()) {
+            return;
+        }
         // Stop pulling first, or the server could pin this replica's waiting pull request again.
         self.messages = None;
         let name = &self.consumer.cached_info().name;
-        match pinned.stream.unpin_consumer(name, PRIORITY_GROUP).await {
+        match self.recovery.stream.unpin_consumer(name, PRIORITY_GROUP).await {
             Ok(()) => tracing::info!(consumer = %name, "released the pin"),
             Err(e) => {
                 tracing::warn!(consumer = %name, error = %e, "releasing the pin failed; it lapses after pinned_ttl_ms")
@@ -598,12 +621,36 @@ impl JetStreamSource {
             }
         }
     }
+}
 
-    /// During a takeover: the next message rebuilt from the stream, then the delivery that
-    /// revealed the pin; `None` when no rebuild is under way.
+impl Recovery {
+    fn new(stream: &stream::Stream, subject: &str) -> Self {
+        Recovery {
+            stream: stream.clone(),
+            subject: subject.to_owned(),
+            last_delivery: None,
+            rebuilt_through: 0,
+            rebuild: None,
+            revealed: None,
+        }
+    }
+
+    /// Whether deliveries before consumer sequence `delivery` did not reach this replica (0:
+    /// unknown, never a loss). A lower sequence than the last (a consumer created again) starts
+    /// counting afresh.
+    fn missed(&mut self, delivery: u64) -> bool {
+        if delivery == 0 {
+            return false;
+        }
+        let missed = self.last_delivery.is_some_and(|last| delivery > last + 1);
+        self.last_delivery = Some(delivery);
+        missed
+    }
+
+    /// During a recovery: the next message rebuilt from the stream, then the delivery that
+    /// revealed the loss; `None` when no rebuild is under way.
     async fn next_rebuilt(&mut self) -> Option<Envelope> {
-        let pinned = self.pinned.as_mut()?;
-        let rebuild = pinned.rebuild.as_mut()?;
+        let rebuild = self.rebuild.as_mut()?;
         while !rebuild.done {
             let Some(reader) = rebuild.reader.as_mut() else {
                 // Opening creates a consumer on the server; a dropped `next` (the input task's
@@ -611,19 +658,19 @@ impl JetStreamSource {
                 // inactivity cleanup, so attempts are paced rather than made on every poll.
                 tokio::time::sleep_until(rebuild.open_at).await;
                 rebuild.open_at = tokio::time::Instant::now() + REOPEN_PAUSE;
-                match open_read(&pinned.stream, &pinned.subject, rebuild.next).await {
+                match open_read(&self.stream, &self.subject, rebuild.next).await {
                     Ok(Some(reader)) => {
                         rebuild.reader = Some(reader);
                         rebuild.idle_at = tokio::time::Instant::now() + REBUILD_IDLE;
                     }
                     Ok(None) => {
                         if rebuild.next <= rebuild.through {
-                            tracing::warn!(subject = %pinned.subject, next = rebuild.next, through = rebuild.through, "takeover read: the rest up to the delivered sequence is no longer stored");
+                            tracing::warn!(subject = %self.subject, next = rebuild.next, through = rebuild.through, "rebuild read: the rest up to the delivered sequence is no longer stored");
                         }
                         rebuild.done = true;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, subject = %pinned.subject, "opening a stream read for a takeover failed; retrying");
+                        tracing::warn!(error = %e, subject = %self.subject, "opening a stream read for a rebuild failed; retrying");
                     }
                 }
                 continue;
@@ -642,16 +689,16 @@ impl JetStreamSource {
                     if sequence == rebuild.through || pending == 0 {
                         rebuild.done = true;
                     }
-                    let mut envelope = Envelope::jetstream(message);
+                    let (mut envelope, _) = Envelope::jetstream(message);
                     // Read, not delivered: its ack goes with the consumer's own redelivery later.
                     envelope.ack = None;
-                    // Delivered before, to the previous pinned client.
+                    // Delivered before: to the previous pinned client, or lost on the way here.
                     envelope.redelivered = true;
                     return Some(envelope);
                 }
                 Ok(Some(Err(e))) => {
                     // The ordered consumer recreates itself after gaps and leader changes.
-                    tracing::warn!(error = %e, subject = %pinned.subject, "reading the stream for a takeover failed; retrying");
+                    tracing::warn!(error = %e, subject = %self.subject, "reading the stream for a rebuild failed; retrying");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Ok(None) | Err(_) => {
@@ -659,32 +706,30 @@ impl JetStreamSource {
                     // the later events of the streams open at the takeover, acknowledged by the
                     // previous owner, would never be applied. Reading again from here cannot
                     // lose them; it only waits while the stream cannot be read.
-                    tracing::warn!(subject = %pinned.subject, next = rebuild.next, through = rebuild.through, "takeover read idle; opening it again");
+                    tracing::warn!(subject = %self.subject, next = rebuild.next, through = rebuild.through, "rebuild read idle; opening it again");
                     rebuild.reader = None;
                 }
             }
         }
-        let Rebuild { through, revealed, .. } = pinned.rebuild.take()?;
-        tracing::info!(subject = %pinned.subject, through, "takeover rebuilt; consuming");
-        Some(pinned.mark(revealed))
+        let Rebuild { through, revealed, .. } = self.rebuild.take()?;
+        tracing::info!(subject = %self.subject, through, "partition rebuilt; consuming");
+        Some(self.mark(revealed))
     }
-}
 
-impl Pinned {
-    /// A new pin: rebuild everything between the consumer's ack floor and its delivered sequence
-    /// from the stream before handing on `revealed` (the first delivery under the new pin).
-    /// Dropped before it returns, it starts again on the next call (`revealed` stays in place).
+    /// Rebuild everything between the consumer's ack floor and its delivered sequence from the
+    /// stream before handing on `revealed` (the delivery that revealed the loss). Dropped before
+    /// it returns, it starts again on the next call (`revealed` stays in place).
     async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer) {
         let (floor, delivered) = loop {
             match consumer.get_info().await {
                 Ok(info) => break (info.ack_floor.stream_sequence, info.delivered.stream_sequence),
                 Err(e) => {
-                    tracing::warn!(error = %e, subject = %self.subject, "consumer info for a takeover failed; retrying");
+                    tracing::warn!(error = %e, subject = %self.subject, "consumer info for a rebuild failed; retrying");
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
             }
         };
-        tracing::info!(subject = %self.subject, floor, delivered, "pinned to this replica: rebuilding from the ack floor");
+        tracing::info!(subject = %self.subject, floor, delivered, "rebuilding the partition from the ack floor");
         self.rebuilt_through = self.rebuilt_through.max(delivered);
         let Some(revealed) = self.revealed.take() else { return };
         self.rebuild = Some(Rebuild {
@@ -698,10 +743,12 @@ impl Pinned {
         });
     }
 
-    /// A delivery of a message already rebuilt counts as a redelivery (see [`Pinned`]).
+    /// A delivery of a message already rebuilt counts as a redelivery, and as rebuilt (see
+    /// [`Recovery`]).
     fn mark(&self, mut envelope: Envelope) -> Envelope {
         if envelope.sequence.is_some_and(|s| s <= self.rebuilt_through) {
             envelope.redelivered = true;
+            envelope.rebuilt = true;
         }
         envelope
     }
@@ -871,19 +918,20 @@ async fn own_tick(route: &mut Route) -> Instant {
 }
 
 impl Envelope {
-    fn jetstream(message: jetstream::Message) -> Envelope {
+    /// The envelope of a JetStream delivery, and the delivery's consumer sequence (0 when its ack
+    /// subject does not say).
+    fn jetstream(message: jetstream::Message) -> (Envelope, u64) {
         // Moved, not cloned: the message's own handle on the reply subject would only be dropped.
         let mut message = message.message;
         let ack = message.reply.take();
-        let (sequence, delivered) = ack
-            .as_deref()
-            .and_then(ack_position)
-            .map_or((0, 1), |position| (position.stream_sequence, position.delivered));
+        let position = ack.as_deref().and_then(ack_position);
+        let (sequence, delivered, delivery) =
+            position.map_or((0, 1, 0), |p| (p.stream_sequence, p.delivered, p.consumer_sequence));
         let mut envelope = Envelope::core(message);
         envelope.ack = ack;
         envelope.sequence = Some(sequence);
         envelope.redelivered = delivered > 1;
-        envelope
+        (envelope, delivery)
     }
 
     fn core(message: async_nats::Message) -> Envelope {
@@ -897,6 +945,7 @@ impl Envelope {
             ack: None,
             sequence: None,
             redelivered: false,
+            rebuilt: false,
         }
     }
 }

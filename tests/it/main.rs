@@ -5,6 +5,7 @@ mod cli;
 mod deploy;
 mod harness;
 mod hostile;
+mod reconnect;
 mod replay;
 mod scale;
 mod service;

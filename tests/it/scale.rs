@@ -18,7 +18,7 @@ use crate::service::{as_json, test_config};
 use crate::support::NatsServer;
 
 /// The server mapping of `chat.raw.<id>` to `chat.raw.p.<partition>.<id>`.
-fn mapping(partitions: u32) -> String {
+pub(crate) fn mapping(partitions: u32) -> String {
     format!("mappings = {{ \"chat.raw.*\": \"chat.raw.p.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}\" }}\n")
 }
 
@@ -46,7 +46,7 @@ fn conversation(streams: usize, deltas: usize) -> Vec<(String, String)> {
 }
 
 /// What `replay` publishes for `events`, per stream, in order: (subject, message JSON).
-fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Vec<(String, Value)>> {
+pub(crate) fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Vec<(String, Value)>> {
     let input: String = events.iter().map(|(_, e)| format!("{e}\n")).collect();
     let mut out = Vec::new();
     structured_sink::replay::replay(config, input.as_bytes(), &mut out, std::io::sink()).unwrap();
@@ -59,7 +59,7 @@ fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Ve
     map
 }
 
-fn group(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(String, Value)>> {
+pub(crate) fn group(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(String, Value)>> {
     let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
     for m in messages {
         let json = as_json(m);
@@ -241,7 +241,7 @@ fn replica_command(url: &str, dir: &std::path::Path) -> Command {
 
 /// A client of `url`, its JetStream context, and a downstream JetStream stream over every output
 /// subject, deduplicating by `Nats-Msg-Id`.
-async fn downstream(url: &str) -> (async_nats::Client, jetstream::Context, jetstream::stream::Stream) {
+pub(crate) async fn downstream(url: &str) -> (async_nats::Client, jetstream::Context, jetstream::stream::Stream) {
     let client = async_nats::connect(url).await.unwrap();
     let js = jetstream::new(client.clone());
     let out = js
@@ -266,7 +266,7 @@ async fn downstream(url: &str) -> (async_nats::Client, jetstream::Context, jetst
 /// stream may be electing a leader. (An ordered consumer read with a 5 s timeout per message
 /// stopped early after a node loss: 2,014 of 2,200 stored outputs read, the rest reported as
 /// missing.)
-async fn read_all(stream: &mut jetstream::stream::Stream, total: usize) -> Vec<async_nats::Message> {
+pub(crate) async fn read_all(stream: &mut jetstream::stream::Stream, total: usize) -> Vec<async_nats::Message> {
     // Bounds, not timing assertions: a loaded machine may need long.
     let deadline = Instant::now() + Duration::from_secs(180);
     let mut state = None;
@@ -312,7 +312,7 @@ async fn read_all(stream: &mut jetstream::stream::Stream, total: usize) -> Vec<a
 /// `input-<index>`, retried until the server acknowledges it. The id matters when a server stops:
 /// an event stored just before its acknowledgement was lost is published again, and without the
 /// id the stream would store it twice, so the service would apply its text twice.
-async fn publish_inputs(js: &jetstream::Context, events: &[(String, String)], range: Range<usize>) {
+pub(crate) async fn publish_inputs(js: &jetstream::Context, events: &[(String, String)], range: Range<usize>) {
     for index in range {
         let (id, event) = &events[index];
         let subject = format!("chat.raw.{}", escape_token(id));
@@ -331,7 +331,7 @@ async fn publish_inputs(js: &jetstream::Context, events: &[(String, String)], ra
     }
 }
 
-fn jetstream_config(url: &str) -> Config {
+pub(crate) fn jetstream_config(url: &str) -> Config {
     let mut config = partitioned(url, 8, 0, 1);
     config.jetstream.enabled = true;
     config.jetstream.ack_wait_ms = 60_000;

@@ -1,0 +1,229 @@
+//! JetStream input across a lost connection. The service pulls from a durable consumer with
+//! explicit acks; a delivery the server sent just before the connection dropped, and which the
+//! client never read, counts as delivered on the server and comes back only after `ack_wait`.
+//! The client reconnects and keeps pulling meanwhile, so the next event of the same stream
+//! arrives first. It must not be applied before the lost one: the lost delta has to be in the
+//! outputs, in order, without waiting for the redelivery. A TCP proxy between the service and the
+//! server loses the delivery on purpose: it discards what the server sends, then cuts the
+//! connection.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use prost::Message as _;
+use serde_json::json;
+use structured_sink::codec::proto;
+use structured_sink::service::RunningService;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::scale::{downstream, group, jetstream_config, mapping, publish_inputs, read_all, replayed};
+use crate::service::test_config;
+use crate::support::NatsServer;
+
+/// One proxied connection: its forwarding task and whether it drops the server's bytes.
+struct Connection {
+    discard: Arc<AtomicBool>,
+    task: JoinHandle<()>,
+}
+
+/// A TCP proxy on 127.0.0.1 in front of a NATS server. Its connections can be told to discard
+/// everything the server sends (the client sees a silent connection, the server sees its writes
+/// succeed), and cut. Connections accepted after a cut (the client's reconnects) forward
+/// normally.
+struct Proxy {
+    url: String,
+    connections: Arc<Mutex<Vec<Connection>>>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    async fn start(server: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("nats://{}", listener.local_addr().unwrap());
+        let connections: Arc<Mutex<Vec<Connection>>> = Arc::default();
+        let accepted = connections.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                // Refusing by closing: the client retries, as it would with a server down.
+                let Ok(server) = TcpStream::connect(server).await else { continue };
+                let discard = Arc::new(AtomicBool::new(false));
+                let task = tokio::spawn(forward(client, server, discard.clone()));
+                accepted.lock().unwrap().push(Connection { discard, task });
+            }
+        });
+        Proxy { url, connections, accept }
+    }
+
+    /// From now on, the current connections drop every byte the server sends.
+    fn discard_server_bytes(&self) {
+        for connection in self.connections.lock().unwrap().iter() {
+            connection.discard.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Closes the current connections on both sides (dropping a task drops its sockets).
+    fn cut(&self) {
+        for connection in self.connections.lock().unwrap().drain(..) {
+            connection.task.abort();
+        }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// Copies bytes both ways until either side closes; the server's bytes only while `discard` is
+/// unset.
+async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let to_server = tokio::io::copy(&mut client_read, &mut server_write);
+    let to_client = async {
+        let mut buffer = vec![0; 64 * 1024];
+        loop {
+            let n = match server_read.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if !discard.load(Ordering::SeqCst) && client_write.write_all(&buffer[..n]).await.is_err() {
+                break;
+            }
+        }
+    };
+    tokio::select! {
+        _ = to_server => {}
+        _ = to_client => {}
+    }
+}
+
+/// The `FilteredText` stored last on `chat.filtered` in `out`, if any.
+async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::FilteredText> {
+    let message = out.get_last_raw_message_by_subject("chat.filtered").await.ok()?;
+    Some(proto::FilteredText::decode(message.payload).unwrap())
+}
+
+/// Stream `m`: "A " is applied; "B " is delivered into a connection that discards it and is then
+/// cut; "C " and the final come after the reconnect. The final text must be "A B C " (it was
+/// "A C ": "B " came back after `ack_wait`, as a late duplicate).
+#[tokio::test]
+async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
+    let mut config = jetstream_config(&proxy.url);
+    config.partitions.count = 1;
+    config.shards.count = 1;
+    config.nats.reconnect_delay_max_ms = 200;
+    let service = RunningService::start(config).await.unwrap();
+    // The test's own clients talk to the server directly.
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let mut input = js.get_stream("CHAT_RAW").await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+
+    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
+    let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
+    let events =
+        [partial("A "), partial("B "), partial("C "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
+
+    // Bounds, not timing assertions: a loaded machine may need long.
+    publish_inputs(&js, &events, 0..1).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.info().await.unwrap().state.messages < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(out.info().await.unwrap().state.messages, 1, "the output of \"A \" stored before the drop");
+
+    // "B " is delivered (the server counts it as such) but never reaches the service.
+    proxy.discard_server_bytes();
+    publish_inputs(&js, &events, 1..2).await;
+    let lost = input.info().await.unwrap().state.last_sequence;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut delivered = 0;
+    while delivered < lost && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        delivered = consumer.info().await.unwrap().delivered.stream_sequence;
+    }
+    assert_eq!(delivered, lost, "the server delivered \"B \" into the discarding connection");
+    // The client reconnects through the proxy, which forwards normally again. "B " stays
+    // pending on the server until ack_wait (60 s), which the test does not wait for.
+    proxy.cut();
+    publish_inputs(&js, &events, 2..events.len()).await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = None;
+    while !last.as_ref().is_some_and(|t: &proto::FilteredText| t.r#final) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        last = last_filtered(&out).await;
+    }
+    let last = last.filter(|t| t.r#final).expect("the final output of m stored downstream");
+    assert_eq!(last.text, "A B C ", "the final text of m, every delta in order");
+
+    // Everything stored downstream (deduplicated by Nats-Msg-Id) is what replay gives.
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let got = read_all(&mut out, total).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(group(&got), expected);
+}
+
+/// A pass-through event lost the same way is forwarded once: by the read of the partition that
+/// the gap starts, not again when the consumer redelivers it (after `ack_wait_ms`, here 2 s;
+/// beyond a downstream duplicate window in a deployment).
+#[tokio::test]
+async fn a_pass_through_event_lost_with_the_connection_is_forwarded_once() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
+    let mut config = jetstream_config(&proxy.url);
+    config.partitions.count = 1;
+    config.shards.count = 1;
+    config.nats.reconnect_delay_max_ms = 200;
+    config.jetstream.ack_wait_ms = 2_000;
+    config.input.pass_through_subject = "chat.passthrough".into();
+    let service = RunningService::start(config).await.unwrap();
+    let (client, js, mut out) = downstream(&server.url()).await;
+    let mut passed = client.subscribe("chat.passthrough").await.unwrap();
+    client.flush().await.unwrap();
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+
+    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
+    let events = [
+        event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": "A "})),
+        event(json!({"type": "tool-call", "meta": {"message_id": "m"}, "name": "search"})),
+        event(json!({"type": "final", "meta": {"message_id": "m"}, "text": "A "})),
+    ];
+    publish_inputs(&js, &events, 0..1).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while out.info().await.unwrap().state.messages < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.discard_server_bytes();
+    publish_inputs(&js, &events, 1..2).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while consumer.info().await.unwrap().delivered.stream_sequence < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.cut();
+    publish_inputs(&js, &events, 2..3).await;
+    // Until everything is acknowledged, the lost event's redelivery included.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = consumer.info().await.unwrap();
+        if info.ack_floor.stream_sequence == 3 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "every input acknowledged: {info:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let forwarded = crate::service::collect(&mut passed, Duration::from_millis(500), |_| false).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(forwarded.len(), 1, "forwarded once: {forwarded:?}");
+}
