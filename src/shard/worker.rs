@@ -449,6 +449,15 @@ mod tests {
         StreamTable::new(pipeline, encoder, TableLimits { idle_timeout: idle, max_streams: 100, finished_memory: 10 })
     }
 
+    /// A table that holds one open stream at most (opening another evicts it).
+    fn one_stream_table() -> StreamTable {
+        let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
+        let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
+        let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+        let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
+        StreamTable::new(pipeline, encoder, limits)
+    }
+
     fn event(json: &str, envelope: u32) -> ShardEvent<u32> {
         let payload = Bytes::from(json.to_owned());
         ShardEvent::new(decode(&payload, 1 << 20).unwrap(), &payload, envelope)
@@ -595,11 +604,7 @@ mod tests {
     async fn a_failure_after_an_eviction_still_publishes_the_evicted_streams_last_outputs() {
         let log = Recorder::default();
         let set = ShardSet::start(settings(1), |_| {
-            let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
-            let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
-            let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
-            let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
-            let mut table = StreamTable::new(pipeline, encoder, limits);
+            let mut table = one_stream_table();
             table.panic_on_delta = Some("boom");
             (table, log.clone())
         });
@@ -626,11 +631,7 @@ mod tests {
     async fn a_failure_while_evicting_a_stream_costs_the_evicted_stream_not_the_event() {
         let log = Recorder::default();
         let set = ShardSet::start(settings(1), |_| {
-            let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
-            let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
-            let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
-            let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
-            let mut table = StreamTable::new(pipeline, encoder, limits);
+            let mut table = one_stream_table();
             // Held back as a possible tag, so only closing `old` outputs it.
             table.panic_on_output = Some("<core:x");
             (table, log.clone())

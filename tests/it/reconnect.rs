@@ -16,6 +16,7 @@ use async_nats::jetstream;
 use prost::Message as _;
 use serde_json::json;
 use structured_sink::codec::proto;
+use structured_sink::config::Config;
 use structured_sink::service::RunningService;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -105,6 +106,18 @@ async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>)
     }
 }
 
+/// A server with one partition, a proxy in front of it, and the configuration of a JetStream
+/// replica with one shard worker that connects through the proxy (and reconnects quickly).
+async fn proxied() -> (NatsServer, Proxy, Config) {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
+    let mut config = jetstream_config(&proxy.url);
+    config.partitions.count = 1;
+    config.shards.count = 1;
+    config.nats.reconnect_delay_max_ms = 200;
+    (server, proxy, config)
+}
+
 /// The `FilteredText` stored last on `chat.filtered` in `out`, if any.
 async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::FilteredText> {
     let message = out.get_last_raw_message_by_subject("chat.filtered").await.ok()?;
@@ -116,12 +129,7 @@ async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::Filtere
 /// "A C ": "B " came back after `ack_wait`, as a late duplicate).
 #[tokio::test]
 async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
-    let server = NatsServer::builder().config(mapping(1)).start();
-    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
-    let mut config = jetstream_config(&proxy.url);
-    config.partitions.count = 1;
-    config.shards.count = 1;
-    config.nats.reconnect_delay_max_ms = 200;
+    let (server, proxy, config) = proxied().await;
     let service = RunningService::start(config).await.unwrap();
     // The test's own clients talk to the server directly.
     let (_client, js, mut out) = downstream(&server.url()).await;
@@ -179,12 +187,7 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
 /// beyond a downstream duplicate window in a deployment).
 #[tokio::test]
 async fn a_pass_through_event_lost_with_the_connection_is_forwarded_once() {
-    let server = NatsServer::builder().config(mapping(1)).start();
-    let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
-    let mut config = jetstream_config(&proxy.url);
-    config.partitions.count = 1;
-    config.shards.count = 1;
-    config.nats.reconnect_delay_max_ms = 200;
+    let (server, proxy, mut config) = proxied().await;
     config.jetstream.ack_wait_ms = 2_000;
     config.input.pass_through_subject = "chat.passthrough".into();
     let service = RunningService::start(config).await.unwrap();
