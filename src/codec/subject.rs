@@ -204,6 +204,26 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// Any subject is read without a panic, and the three numbers of an ack subject in
+        /// either form come back as written.
+        #[test]
+        fn ack_positions_round_trip_and_anything_else_is_refused_quietly(
+            delivered: u64,
+            stream_sequence: u64,
+            consumer_sequence: u64,
+            domain in proptest::bool::ANY,
+            noise in "[$A-Za-z0-9._-]{0,60}",
+        ) {
+            let _ = ack_position(&noise);
+            let _ = ack_position(&format!("$JS.ACK.{noise}"));
+            let prefix = if domain { "hub.ACCHASH." } else { "" };
+            let reply = format!("$JS.ACK.{prefix}chat.sink-p0.{delivered}.{stream_sequence}.{consumer_sequence}.1764.3");
+            let expected = AckPosition { delivered, stream_sequence, consumer_sequence };
+            proptest::prop_assert_eq!(ack_position(&reply), Some(expected));
+        }
+    }
+
     #[test]
     fn plain_tokens_are_kept() {
         assert_eq!(escape_token("agent_mode-switch9"), "agent_mode-switch9");
