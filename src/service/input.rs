@@ -237,6 +237,11 @@ struct Recovery {
     subject: String,
     /// The consumer sequence of the latest delivery here: `None` before the first.
     last_delivery: Option<u64>,
+    /// The highest stream sequence processed here (delivered, or read by a rebuild).
+    seen_through: u64,
+    /// With [`Recovery::revealed`]: what this replica had processed itself when a gap revealed
+    /// the loss; `None` for a takeover (the previous owner's part is unknown).
+    handled_through: Option<u64>,
     /// Deliveries at or below this stream sequence have been rebuilt from the stream.
     rebuilt_through: u64,
     /// A rebuild in progress.
@@ -263,6 +268,10 @@ struct Rebuild {
     through: u64,
     /// The delivery that revealed the loss, handed on after the rebuilt messages.
     revealed: Envelope,
+    /// Messages read at or below this stream sequence were processed before (here, or by the
+    /// previous owner at a takeover) and count as redeliveries; those above, lost on the way
+    /// here, are processed as first deliveries (a late event among them is dead-lettered).
+    handled_through: u64,
 }
 
 /// How long a recovery's stream read may go without a message before it is opened again from
@@ -558,6 +567,7 @@ impl JetStreamSource {
                             "deliveries did not reach this replica (lost with a connection); reading the partition again from the ack floor"
                         );
                     }
+                    self.recovery.handled_through = (!new_pin).then_some(self.recovery.seen_through);
                     self.recovery.revealed = Some(envelope);
                 }
                 Some(Err(e)) => {
@@ -629,6 +639,8 @@ impl Recovery {
             stream: stream.clone(),
             subject: subject.to_owned(),
             last_delivery: None,
+            seen_through: 0,
+            handled_through: None,
             rebuilt_through: 0,
             rebuild: None,
             revealed: None,
@@ -692,8 +704,7 @@ impl Recovery {
                     let (mut envelope, _) = Envelope::jetstream(message);
                     // Read, not delivered: its ack goes with the consumer's own redelivery later.
                     envelope.ack = None;
-                    // Delivered before: to the previous pinned client, or lost on the way here.
-                    envelope.redelivered = true;
+                    envelope.redelivered = sequence <= rebuild.handled_through;
                     return Some(envelope);
                 }
                 Ok(Some(Err(e))) => {
@@ -713,6 +724,7 @@ impl Recovery {
         }
         let Rebuild { through, revealed, .. } = self.rebuild.take()?;
         tracing::info!(subject = %self.subject, through, "partition rebuilt; consuming");
+        self.seen_through = self.seen_through.max(through);
         Some(self.mark(revealed))
     }
 
@@ -740,12 +752,14 @@ impl Recovery {
             open_at: tokio::time::Instant::now(),
             through: delivered,
             revealed,
+            handled_through: self.handled_through.take().unwrap_or(u64::MAX),
         });
     }
 
     /// A delivery of a message already rebuilt counts as a redelivery, and as rebuilt (see
-    /// [`Recovery`]).
-    fn mark(&self, mut envelope: Envelope) -> Envelope {
+    /// [`Recovery`]). Any delivery handed on is processed here.
+    fn mark(&mut self, mut envelope: Envelope) -> Envelope {
+        self.seen_through = self.seen_through.max(envelope.sequence.unwrap_or(0));
         if envelope.sequence.is_some_and(|s| s <= self.rebuilt_through) {
             envelope.redelivered = true;
             envelope.rebuilt = true;

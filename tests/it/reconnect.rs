@@ -230,3 +230,55 @@ async fn a_pass_through_event_lost_with_the_connection_is_forwarded_once() {
     service.shutdown().await.unwrap();
     assert_eq!(forwarded.len(), 1, "forwarded once: {forwarded:?}");
 }
+
+/// A late event (its stream had already finished here) lost the same way is dead-lettered, as it
+/// would have been on arrival: the read takes what was lost on the way as first deliveries, and
+/// only what this replica had processed itself as redeliveries.
+#[tokio::test]
+async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
+    let (server, proxy, config) = proxied().await;
+    let service = RunningService::start(config).await.unwrap();
+    let (client, js, mut out) = downstream(&server.url()).await;
+    let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
+    client.flush().await.unwrap();
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+
+    let partial = |id: &str, delta: &str| {
+        (id.to_owned(), json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
+    };
+    let events = [
+        partial("m", "A "),
+        ("m".to_owned(), json!({"type": "final", "meta": {"message_id": "m"}}).to_string()),
+        partial("m", "late "),
+        partial("n", "B "),
+    ];
+    let stored = |out: &mut jetstream::stream::Stream, at_least: u64| {
+        let mut out = out.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while out.info().await.unwrap().state.messages < at_least && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    publish_inputs(&js, &events, 0..2).await;
+    // `m`'s delta and final.
+    stored(&mut out, 2).await;
+    proxy.discard_server_bytes();
+    publish_inputs(&js, &events, 2..3).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while consumer.info().await.unwrap().delivered.stream_sequence < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.cut();
+    publish_inputs(&js, &events, 3..4).await;
+    // `n`'s delta: the gap has been seen and the partition read again.
+    stored(&mut out, 3).await;
+    let dead = crate::service::collect(&mut dead_letters, Duration::from_secs(2), |_| false).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(dead.len(), 1, "the late event dead-lettered once: {dead:?}");
+    let reason = dead[0].headers.as_ref().and_then(|h| h.get("Structured-Sink-Error")).map(|v| v.to_string());
+    assert_eq!(reason.as_deref(), Some("stream_finished"));
+    assert!(dead[0].payload.windows(5).any(|w| w == b"late "), "{:?}", dead[0].payload);
+}
