@@ -33,8 +33,8 @@ struct Connection {
 }
 
 /// The waits after a cut are long bounds, not timings: now and then (one run in six, with six
-/// running at once) the first pull after the reconnect brings nothing until async-nats notices the
-/// pull request lost with the connection, about 30 s later (two missed 15 s heartbeats).
+/// running at once) nothing is delivered for about 30 s after the reconnect (CHANGELOG, Known
+/// issues).
 ///
 /// A TCP proxy on 127.0.0.1 in front of a NATS server. Its connections can be told to discard
 /// everything the server sends (the client sees a silent connection, the server sees its writes
