@@ -122,6 +122,38 @@ async fn proxied() -> (NatsServer, Proxy, Config) {
     (server, proxy, config)
 }
 
+/// Waits until `out` holds `count` messages or more, for at most `limit` (a bound, not a timing
+/// assertion: a loaded machine may need long).
+async fn stored(out: &mut jetstream::stream::Stream, count: u64, limit: Duration) -> u64 {
+    let deadline = Instant::now() + limit;
+    loop {
+        let messages = out.info().await.unwrap().state.messages;
+        if messages >= count || Instant::now() >= deadline {
+            return messages;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Loses the delivery of `events[index]`, the next input: it is published while the proxy
+/// discards what the server sends, the server delivers it (and counts it as delivered), then the
+/// connection is cut. The client reconnects through the proxy, which forwards normally again.
+async fn lose_delivery(proxy: &Proxy, js: &jetstream::Context, events: &[(String, String)], index: usize) {
+    let mut input = js.get_stream("CHAT_RAW").await.unwrap();
+    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+    proxy.discard_server_bytes();
+    publish_inputs(js, events, index..index + 1).await;
+    let lost = input.info().await.unwrap().state.last_sequence;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut delivered = 0;
+    while delivered < lost && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        delivered = consumer.info().await.unwrap().delivered.stream_sequence;
+    }
+    assert_eq!(delivered, lost, "the server delivered input {index} into the discarding connection");
+    proxy.cut();
+}
+
 /// The `FilteredText` stored last on `chat.filtered` in `out`, if any.
 async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::FilteredText> {
     let message = out.get_last_raw_message_by_subject("chat.filtered").await.ok()?;
@@ -137,36 +169,16 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
     let service = RunningService::start(config).await.unwrap();
     // The test's own clients talk to the server directly.
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let mut input = js.get_stream("CHAT_RAW").await.unwrap();
-    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
-
     let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
     let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
     let events =
         [partial("A "), partial("B "), partial("C "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
 
-    // Bounds, not timing assertions: a loaded machine may need long.
     publish_inputs(&js, &events, 0..1).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while out.info().await.unwrap().state.messages < 1 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(out.info().await.unwrap().state.messages, 1, "the output of \"A \" stored before the drop");
-
-    // "B " is delivered (the server counts it as such) but never reaches the service.
-    proxy.discard_server_bytes();
-    publish_inputs(&js, &events, 1..2).await;
-    let lost = input.info().await.unwrap().state.last_sequence;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut delivered = 0;
-    while delivered < lost && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        delivered = consumer.info().await.unwrap().delivered.stream_sequence;
-    }
-    assert_eq!(delivered, lost, "the server delivered \"B \" into the discarding connection");
-    // The client reconnects through the proxy, which forwards normally again. "B " stays
-    // pending on the server until ack_wait (60 s), which the test does not wait for.
-    proxy.cut();
+    let before = stored(&mut out, 1, Duration::from_secs(30)).await;
+    assert_eq!(before, 1, "the output of \"A \" stored before the drop");
+    // "B " stays pending on the server until ack_wait (60 s), which the test does not wait for.
+    lose_delivery(&proxy, &js, &events, 1).await;
     publish_inputs(&js, &events, 2..events.len()).await;
 
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -208,17 +220,8 @@ async fn a_pass_through_event_lost_with_the_connection_is_forwarded_once() {
         event(json!({"type": "final", "meta": {"message_id": "m"}, "text": "A "})),
     ];
     publish_inputs(&js, &events, 0..1).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while out.info().await.unwrap().state.messages < 1 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    proxy.discard_server_bytes();
-    publish_inputs(&js, &events, 1..2).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while consumer.info().await.unwrap().delivered.stream_sequence < 2 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    proxy.cut();
+    stored(&mut out, 1, Duration::from_secs(30)).await;
+    lose_delivery(&proxy, &js, &events, 1).await;
     publish_inputs(&js, &events, 2..3).await;
     // Until everything is acknowledged, the lost event's redelivery included.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -245,8 +248,6 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
     let (client, js, mut out) = downstream(&server.url()).await;
     let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
     client.flush().await.unwrap();
-    let input = js.get_stream("CHAT_RAW").await.unwrap();
-    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
 
     let partial = |id: &str, delta: &str| {
         (id.to_owned(), json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
@@ -257,28 +258,13 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
         partial("m", "late "),
         partial("n", "B "),
     ];
-    let stored = |out: &mut jetstream::stream::Stream, at_least: u64| {
-        let mut out = out.clone();
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(90);
-            while out.info().await.unwrap().state.messages < at_least && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
     publish_inputs(&js, &events, 0..2).await;
     // `m`'s delta and final.
-    stored(&mut out, 2).await;
-    proxy.discard_server_bytes();
-    publish_inputs(&js, &events, 2..3).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while consumer.info().await.unwrap().delivered.stream_sequence < 3 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    proxy.cut();
+    stored(&mut out, 2, Duration::from_secs(30)).await;
+    lose_delivery(&proxy, &js, &events, 2).await;
     publish_inputs(&js, &events, 3..4).await;
     // `n`'s delta: the gap has been seen and the partition read again.
-    stored(&mut out, 3).await;
+    stored(&mut out, 3, Duration::from_secs(90)).await;
     let dead = crate::service::collect(&mut dead_letters, Duration::from_secs(2), |_| false).await;
     service.shutdown().await.unwrap();
     assert_eq!(dead.len(), 1, "the late event dead-lettered once: {dead:?}");
