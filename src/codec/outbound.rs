@@ -774,23 +774,40 @@ mod tests {
         assert_eq!(encoder.block_subject(0), Some("chat.structured.app.Mode%2ESwitch.v1%2E2"));
     }
 
-    #[test]
-    fn geppetto_sequence_numbers_text_events_only_without_gaps() {
-        let tags = vec![TagSpec::new("thinking", TagKind::Channel), TagSpec::new("core:x:v1", TagKind::Block)];
-        let limits = PipelineLimits { cumulative_text: crate::pipeline::CumulativeText::Every, ..Default::default() };
+    /// The publications of one stream of `deltas`, then a final, with visible text as geppetto
+    /// JSON (so with `cumulative_text = "every"`, as the configuration forces).
+    fn geppetto_stream(
+        tags: Vec<TagSpec>,
+        max_text_bytes: usize,
+        vocabulary: Vocabulary,
+        deltas: &[&str],
+    ) -> Vec<Publication> {
+        let limits = PipelineLimits {
+            cumulative_text: crate::pipeline::CumulativeText::Every,
+            max_text_bytes,
+            ..Default::default()
+        };
         let mut pipeline = Pipeline::new(tags, limits).unwrap();
         let mut encoder =
             OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), TextEncoding::GeppettoJson);
         let identity =
             StreamIdentity { message_id: Cow::Borrowed("m"), stream_id: Cow::Borrowed("s"), ..Default::default() };
-        let header = StreamHeader::new(&identity, Vocabulary::Canonical);
+        let header = StreamHeader::new(&identity, vocabulary);
         let mut s = StreamState::new();
         let mut pubs = Vec::new();
         let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
-        for delta in ["a ", "<thinking>hm</thinking>", "b ", "<core:x:v1>k: v</core:x:v1>", "c"] {
+        for delta in deltas {
             pipeline.feed(&mut s, delta, &mut sink);
         }
         pipeline.finish(&mut s, None, "stop", &mut sink);
+        pubs
+    }
+
+    #[test]
+    fn geppetto_sequence_numbers_text_events_only_without_gaps() {
+        let tags = vec![TagSpec::new("thinking", TagKind::Channel), TagSpec::new("core:x:v1", TagKind::Block)];
+        let deltas = ["a ", "<thinking>hm</thinking>", "b ", "<core:x:v1>k: v</core:x:v1>", "c"];
+        let pubs = geppetto_stream(tags, PipelineLimits::default().max_text_bytes, Vocabulary::Canonical, &deltas);
         let sequences: Vec<(String, Option<u64>)> = pubs
             .iter()
             .filter(|p| p.type_name == GEPPETTO_EVENT_TYPE)
@@ -809,24 +826,7 @@ mod tests {
 
     #[test]
     fn geppetto_events_say_when_the_cumulative_text_is_omitted() {
-        let limits = PipelineLimits {
-            cumulative_text: crate::pipeline::CumulativeText::Every,
-            max_text_bytes: 8,
-            ..Default::default()
-        };
-        let mut pipeline = Pipeline::new(Vec::new(), limits).unwrap();
-        let mut encoder =
-            OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), TextEncoding::GeppettoJson);
-        let identity =
-            StreamIdentity { message_id: Cow::Borrowed("m"), stream_id: Cow::Borrowed("s"), ..Default::default() };
-        let header = StreamHeader::new(&identity, Vocabulary::Legacy);
-        let mut s = StreamState::new();
-        let mut pubs = Vec::new();
-        let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
-        for delta in ["hello ", "world, ", "again"] {
-            pipeline.feed(&mut s, delta, &mut sink);
-        }
-        pipeline.finish(&mut s, None, "stop", &mut sink);
+        let pubs = geppetto_stream(Vec::new(), 8, Vocabulary::Legacy, &["hello ", "world, ", "again"]);
         let events: Vec<(String, String, Option<bool>)> = pubs
             .iter()
             .map(|p| serde_json::from_slice::<serde_json::Value>(&p.payload).unwrap())

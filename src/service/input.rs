@@ -239,16 +239,14 @@ struct Recovery {
     last_delivery: Option<u64>,
     /// The highest stream sequence processed here (delivered, or read by a rebuild).
     seen_through: u64,
-    /// With [`Recovery::revealed`]: what this replica had processed itself when a gap revealed
-    /// the loss; `None` for a takeover (the previous owner's part is unknown).
-    handled_through: Option<u64>,
     /// Deliveries at or below this stream sequence have been rebuilt from the stream.
     rebuilt_through: u64,
     /// A rebuild in progress.
     rebuild: Option<Rebuild>,
-    /// The delivery that revealed the loss, until its rebuild has started: kept here rather than
-    /// in a future, so that a dropped [`JetStreamSource::next`] loses nothing.
-    revealed: Option<Envelope>,
+    /// The delivery that revealed the loss, until its rebuild has started, with what counts as
+    /// processed before ([`Rebuild::handled_through`]): kept here rather than in a future, so that
+    /// a dropped [`JetStreamSource::next`] loses nothing.
+    revealed: Option<(Envelope, u64)>,
 }
 
 /// A recovery's read of the stream.
@@ -567,8 +565,10 @@ impl JetStreamSource {
                             "deliveries did not reach this replica (lost with a connection); reading the partition again from the ack floor"
                         );
                     }
-                    self.recovery.handled_through = (!new_pin).then_some(self.recovery.seen_through);
-                    self.recovery.revealed = Some(envelope);
+                    // At a takeover, what the previous owner processed is unknown: everything read
+                    // counts as processed before. After a gap, what this replica processed itself.
+                    let handled_through = if new_pin { u64::MAX } else { self.recovery.seen_through };
+                    self.recovery.revealed = Some((envelope, handled_through));
                 }
                 Some(Err(e)) => {
                     // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
@@ -640,7 +640,6 @@ impl Recovery {
             subject: subject.to_owned(),
             last_delivery: None,
             seen_through: 0,
-            handled_through: None,
             rebuilt_through: 0,
             rebuild: None,
             revealed: None,
@@ -743,7 +742,7 @@ impl Recovery {
         };
         tracing::info!(subject = %self.subject, floor, delivered, "rebuilding the partition from the ack floor");
         self.rebuilt_through = self.rebuilt_through.max(delivered);
-        let Some(revealed) = self.revealed.take() else { return };
+        let Some((revealed, handled_through)) = self.revealed.take() else { return };
         self.rebuild = Some(Rebuild {
             reader: None,
             next: floor + 1,
@@ -752,7 +751,7 @@ impl Recovery {
             open_at: tokio::time::Instant::now(),
             through: delivered,
             revealed,
-            handled_through: self.handled_through.take().unwrap_or(u64::MAX),
+            handled_through,
         });
     }
 

@@ -126,21 +126,25 @@ impl<S: ShardSink> Shard<S> {
         // with it; those of a stream it closed first (evicted to make room) are published, since
         // that stream is closed and its input acknowledged.
         let failed = event.stream.stream_id.as_ref();
-        let mut broken = None;
+        // Whether the failure came while closing the event's own stream (a final).
+        let mut own_close_failed = false;
         let applied = loop {
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
             }));
             if attempt.is_err() {
-                broken = table.recover_failed_close();
-                // Closing a stream evicted to make room failed: that costs the evicted stream only.
-                // Eviction comes before the event's stream opens, so the event touched nothing yet,
-                // and there is room now: it is applied again. (Each retry has one stream fewer
-                // open, so this ends.)
-                if let Some(evicted) = broken.take_if(|id| id.as_ref() != failed) {
-                    outputs.retain(|p| p.stream_id() != evicted.as_ref());
-                    tracing::error!(shard = *index, stream_id = %evicted, "closing an evicted stream failed; it was discarded");
-                    continue;
+                match table.recover_failed_close() {
+                    Some(id) if id.as_ref() == failed => own_close_failed = true,
+                    // Closing a stream evicted to make room failed: that costs the evicted stream
+                    // only. Eviction comes before the event's stream opens, so the event touched
+                    // nothing yet, and there is room now: it is applied again. (Each retry has one
+                    // stream fewer open, so this ends.)
+                    Some(evicted) => {
+                        outputs.retain(|p| p.stream_id() != evicted.as_ref());
+                        tracing::error!(shard = *index, stream_id = %evicted, "closing an evicted stream failed; it was discarded");
+                        continue;
+                    }
+                    None => {}
                 }
             }
             break attempt;
@@ -166,7 +170,7 @@ impl<S: ShardSink> Shard<S> {
                     let id = p.stream_id();
                     id != failed && table.has_closed(id)
                 });
-                if broken.is_none() {
+                if !own_close_failed {
                     table.discard(failed);
                 }
                 tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
@@ -443,19 +447,19 @@ mod tests {
     }
 
     fn table(idle: Duration) -> StreamTable {
-        let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
-        let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
-        let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
-        StreamTable::new(pipeline, encoder, TableLimits { idle_timeout: idle, max_streams: 100, finished_memory: 10 })
+        limited_table(idle, 100)
     }
 
     /// A table that holds one open stream at most (opening another evicts it).
     fn one_stream_table() -> StreamTable {
+        limited_table(Duration::from_secs(60), 1)
+    }
+
+    fn limited_table(idle_timeout: Duration, max_streams: usize) -> StreamTable {
         let tags = vec![TagSpec::new("core:x:v1", TagKind::Block)];
         let pipeline = Pipeline::new(tags, PipelineLimits::default()).unwrap();
         let encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
-        let limits = TableLimits { idle_timeout: Duration::from_secs(60), max_streams: 1, finished_memory: 10 };
-        StreamTable::new(pipeline, encoder, limits)
+        StreamTable::new(pipeline, encoder, TableLimits { idle_timeout, max_streams, finished_memory: 10 })
     }
 
     fn event(json: &str, envelope: u32) -> ShardEvent<u32> {

@@ -22,7 +22,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::scale::{downstream, group, jetstream_config, mapping, publish_inputs, read_all, replayed};
+use crate::scale::{downstream, group, mapping, one_partition_config, publish_inputs, read_all, replayed};
 use crate::service::test_config;
 use crate::support::NatsServer;
 
@@ -115,8 +115,7 @@ async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>)
 async fn proxied() -> (NatsServer, Proxy, Config) {
     let server = NatsServer::builder().config(mapping(1)).start();
     let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
-    let mut config = jetstream_config(&proxy.url);
-    config.partitions.count = 1;
+    let mut config = one_partition_config(&proxy.url);
     config.shards.count = 1;
     config.nats.reconnect_delay_max_ms = 200;
     (server, proxy, config)

@@ -331,7 +331,14 @@ pub(crate) async fn publish_inputs(js: &jetstream::Context, events: &[(String, S
     }
 }
 
-pub(crate) fn jetstream_config(url: &str) -> Config {
+/// [`jetstream_config`] over one partition.
+pub(crate) fn one_partition_config(url: &str) -> Config {
+    let mut config = jetstream_config(url);
+    config.partitions.count = 1;
+    config
+}
+
+fn jetstream_config(url: &str) -> Config {
     let mut config = partitioned(url, 8, 0, 1);
     config.jetstream.enabled = true;
     config.jetstream.ack_wait_ms = 60_000;
@@ -516,8 +523,7 @@ async fn settle<T, F: std::future::Future<Output = T>>(mut state: impl FnMut() -
 #[tokio::test]
 async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
     let server = NatsServer::builder().config(mapping(1)).start();
-    let mut config = jetstream_config(&server.url());
-    config.partitions.count = 1;
+    let mut config = one_partition_config(&server.url());
     config.jetstream.max_ack_pending = 8;
     let service = RunningService::start(config).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
@@ -556,8 +562,7 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
 #[tokio::test]
 async fn shutdown_with_the_server_gone_does_not_wait_for_each_closing_stream() {
     let mut server = NatsServer::builder().config(mapping(1)).start();
-    let mut config = jetstream_config(&server.url());
-    config.partitions.count = 1;
+    let mut config = one_partition_config(&server.url());
     config.shards.count = 1;
     config.shards.idle_timeout_ms = 1_000;
     config.shards.expiry_tick_ms = 200;
@@ -594,13 +599,13 @@ async fn shutdown_with_the_server_gone_does_not_wait_for_each_closing_stream() {
 #[tokio::test]
 async fn many_workers_with_many_open_streams_do_not_exhaust_the_confirmations_in_flight() {
     let server = NatsServer::builder().config(mapping(1)).start();
-    let mut config = jetstream_config(&server.url());
-    config.partitions.count = 1;
+    let mut config = one_partition_config(&server.url());
     config.shards.count = 8;
     config.service.shutdown_timeout_ms = 5_000;
     let service = RunningService::start(config).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
     let streams = 8_000;
+    // Confirmed a thousand at a time: `publish_inputs` waits for each one.
     for chunk in (0..streams).collect::<Vec<usize>>().chunks(1_000) {
         let mut acks = Vec::new();
         for &s in chunk {
