@@ -549,7 +549,7 @@ struct Output {
 const ROUNDS_PER_ERROR_LOG: u32 = 10;
 
 /// How long a storage confirmation (and a JetStream API request of the sink) is awaited before
-/// the output is published again.
+/// the output is published again; also how long a worker's last flush may wait at shutdown.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long whether a stream stores an output subject is remembered (see [`NatsSink::captured`]).
