@@ -159,6 +159,50 @@ pub struct JetStreamSource {
     recovery: Recovery,
     /// Set for pinned-client consumers.
     pinned: Option<Pinned>,
+    /// Asking the consumer for deliveries lost at the end of the input.
+    check: LossCheck,
+}
+
+/// Deliveries lost with a connection are found by the next delivery's consumer sequence (see
+/// [`Recovery`]); nothing shows those at the end of the input, which the server would redeliver
+/// only after `ack_wait` (ten minutes by default), with their streams stalled until then. So after
+/// a reconnect, or a new pull stream, once the partition has been quiet for [`QUIET`], the replica
+/// asks the consumer how far it has delivered: beyond the last delivery that arrived here, the
+/// rest was lost and is read from the stream like any other loss. A delivery that is merely
+/// slower than [`QUIET`] is then read twice, which is harmless: its own delivery counts as
+/// rebuilt. A connection that stays up costs nothing but an atomic load every [`LOOK`] while
+/// the partition waits for input.
+struct LossCheck {
+    /// The client's counters, whose count of connections made shows a reconnect.
+    statistics: Arc<async_nats::Statistics>,
+    /// That count when last looked at.
+    connects: u64,
+    /// A reconnect, or a new pull stream, since the consumer was last asked.
+    due: bool,
+    /// The next look: at the count of connections, or, when due, at the consumer. A deadline in
+    /// `self`, so that a dropped [`JetStreamSource::next`] does not start it again.
+    at: tokio::time::Instant,
+}
+
+/// How often a waiting partition looks at the connection count.
+const LOOK: Duration = Duration::from_secs(1);
+
+/// How long a partition must go without a delivery, after a reconnect, before the consumer is
+/// asked whether deliveries were lost.
+const QUIET: Duration = Duration::from_secs(1);
+
+impl LossCheck {
+    fn new(client: &async_nats::Client) -> Self {
+        let statistics = client.statistics();
+        let connects = statistics.connects.load(std::sync::atomic::Ordering::Relaxed);
+        LossCheck { statistics, connects, due: false, at: tokio::time::Instant::now() + LOOK }
+    }
+
+    /// Asks for a look at the consumer once the partition has been quiet for [`QUIET`].
+    fn arm(&mut self) {
+        self.due = true;
+        self.at = tokio::time::Instant::now() + QUIET;
+    }
 }
 
 /// How much one pull request asks for (`jetstream.pull_batch`, `jetstream.pull_max_bytes`).
@@ -243,10 +287,17 @@ struct Recovery {
     rebuilt_through: u64,
     /// A rebuild in progress.
     rebuild: Option<Rebuild>,
-    /// The delivery that revealed the loss, until its rebuild has started, with what counts as
-    /// processed before ([`Rebuild::handled_through`]): kept here rather than in a future, so that
-    /// a dropped [`JetStreamSource::next`] loses nothing.
-    revealed: Option<(Envelope, u64)>,
+    /// A loss found, until its rebuild has started: kept here rather than in a future, so that a
+    /// dropped [`JetStreamSource::next`] loses nothing.
+    loss: Option<Loss>,
+}
+
+/// A loss found and not yet being rebuilt.
+struct Loss {
+    /// The delivery that revealed it; `None` when asking the consumer did (see [`LossCheck`]).
+    revealed: Option<Envelope>,
+    /// What counts as processed before ([`Rebuild::handled_through`]).
+    handled_through: u64,
 }
 
 /// A recovery's read of the stream.
@@ -265,7 +316,7 @@ struct Rebuild {
     /// The last stream sequence to read: the consumer's delivered sequence when it started.
     through: u64,
     /// The delivery that revealed the loss, handed on after the rebuilt messages.
-    revealed: Envelope,
+    revealed: Option<Envelope>,
     /// Messages read at or below this stream sequence were processed before (here, or by the
     /// previous owner at a takeover) and count as redeliveries; those above, lost on the way
     /// here, are processed as first deliveries (a late event among them is dead-lettered).
@@ -372,7 +423,7 @@ async fn open_consumers(
             .map_err(|e| js_error(&format!("stream {} (jetstream.create_stream is false)", cfg.stream), &e))?
     };
     if cfg.pinned_client {
-        return open_pinned_consumers(config, ownership, &stream).await;
+        return open_pinned_consumers(client, config, ownership, &stream).await;
     }
     let mut sources = Vec::new();
     let names: Vec<(String, String)> = match config.partitions.mode {
@@ -403,8 +454,9 @@ async fn open_consumers(
             .map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
         let recovery = Recovery::new(&stream, &subject);
+        let check = LossCheck::new(client);
         let source =
-            JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None };
+            JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None, check };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -438,6 +490,7 @@ fn partition_consumer(
 /// [`STANDBY_DELAY`]. Consumers are never deleted here (other replicas are pulling from them); a
 /// consumer left from a deployment without `pinned_client` is replaced once, at its ack floor.
 async fn open_pinned_consumers(
+    client: &async_nats::Client,
     config: &Config,
     ownership: &Ownership,
     stream: &stream::Stream,
@@ -475,8 +528,15 @@ async fn open_pinned_consumers(
         let pinned = Pinned { expires: ttl / 3, pin: None };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
         let recovery = Recovery::new(stream, &subject);
-        let source =
-            JetStreamSource { consumer, pull: Pull::of(cfg), messages: None, open_at, recovery, pinned: Some(pinned) };
+        let source = JetStreamSource {
+            consumer,
+            pull: Pull::of(cfg),
+            messages: None,
+            open_at,
+            recovery,
+            pinned: Some(pinned),
+            check: LossCheck::new(client),
+        };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -518,7 +578,7 @@ impl JetStreamSource {
     /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
     ///
     /// Cancel-safe: every state it waits in lives in `self` (a recovery's revealing delivery in
-    /// [`Recovery::revealed`], a rebuild's read in [`Recovery::rebuild`], the waits before a pull
+    /// [`Recovery::loss`], a rebuild's read in [`Recovery::rebuild`], the waits before a pull
     /// stream opens and before a rebuild's read counts as idle as deadlines), and async-nats' pull
     /// stream sends no pull request before its first poll, so opening one may be dropped too.
     async fn next(&mut self) -> Envelope {
@@ -526,7 +586,7 @@ impl JetStreamSource {
             if let Some(envelope) = self.recovery.next_rebuilt().await {
                 return envelope;
             }
-            if self.recovery.revealed.is_some() {
+            if self.recovery.loss.is_some() {
                 self.recovery.start_rebuild(&self.consumer).await;
                 continue;
             }
@@ -534,7 +594,26 @@ impl JetStreamSource {
                 self.open().await;
                 continue;
             };
-            match messages.next().await {
+            // What is there already is taken without a timer; only a wait also waits for the
+            // next look of the loss check.
+            let look_at = self.check.at;
+            let item = match messages.next().now_or_never() {
+                Some(item) => Some(item),
+                None => tokio::select! {
+                    biased;
+                    item = messages.next() => Some(item),
+                    () = tokio::time::sleep_until(look_at) => None,
+                },
+            };
+            let Some(item) = item else {
+                self.look().await;
+                continue;
+            };
+            if self.check.due {
+                // Not quiet yet.
+                self.check.at = tokio::time::Instant::now() + QUIET;
+            }
+            match item {
                 None => {
                     // The pull stream ended (a consumer leader lost with its node, a reconnect):
                     // open it again. A new pull stream is a new client for the server, so a pin
@@ -568,7 +647,7 @@ impl JetStreamSource {
                     // At a takeover, what the previous owner processed is unknown: everything read
                     // counts as processed before. After a gap, what this replica processed itself.
                     let handled_through = if new_pin { u64::MAX } else { self.recovery.seen_through };
-                    self.recovery.revealed = Some((envelope, handled_through));
+                    self.recovery.loss = Some(Loss { revealed: Some(envelope), handled_through });
                 }
                 Some(Err(e)) => {
                     // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
@@ -577,6 +656,59 @@ impl JetStreamSource {
                 }
             }
         }
+    }
+
+    /// The loss check's look (see [`LossCheck`]): at the count of connections and, when due and
+    /// the partition has been quiet, at the consumer. Dropped while asking, it asks again on the
+    /// next call.
+    async fn look(&mut self) {
+        let now = tokio::time::Instant::now();
+        let connects = self.check.statistics.connects.load(std::sync::atomic::Ordering::Relaxed);
+        if connects != self.check.connects {
+            self.check.connects = connects;
+            self.check.arm();
+            return;
+        }
+        if self.check.due {
+            match self.consumer.get_info().await {
+                Ok(info) => {
+                    self.check.due = false;
+                    self.audit(&info);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, subject = %self.recovery.subject, "consumer info for the loss check failed; asking again")
+                }
+            }
+        }
+        self.check.at = now + LOOK;
+    }
+
+    /// Starts a recovery when the consumer has delivered more than reached this replica.
+    fn audit(&mut self, info: &jetstream::consumer::Info) {
+        let delivered = info.delivered.consumer_sequence;
+        // Nothing delivered here yet: nothing processed here can be out of order.
+        let Some(last) = self.recovery.last_delivery else { return };
+        if delivered <= last {
+            return;
+        }
+        // A pinned partition: only while the server still delivers it here (the deliveries
+        // beyond are another replica's when the pin has moved).
+        if let Some(pinned) = &self.pinned {
+            let ours = pinned.pin.is_some()
+                && info.priority_groups.iter().any(|g| g.group == PRIORITY_GROUP && g.pinned_client_id == pinned.pin);
+            if !ours {
+                return;
+            }
+        }
+        tracing::warn!(
+            subject = %self.recovery.subject,
+            last,
+            delivered,
+            "deliveries at the end of the input did not reach this replica (lost with a connection); reading the partition again from the ack floor"
+        );
+        // Those deliveries are counted as seen: the next one continues the sequence.
+        self.recovery.last_delivery = Some(delivered);
+        self.recovery.loss = Some(Loss { revealed: None, handled_through: self.recovery.seen_through });
     }
 
     /// Shutdown: a replica holding the partition's pin stops pulling and releases the pin, so that a
@@ -622,6 +754,8 @@ impl JetStreamSource {
                     if let Some(pinned) = self.pinned.as_mut() {
                         pinned.pin = None;
                     }
+                    // Deliveries in flight to the old pull stream are lost with it.
+                    self.check.arm();
                     return;
                 }
                 Err(e) => {
@@ -642,7 +776,7 @@ impl Recovery {
             seen_through: 0,
             rebuilt_through: 0,
             rebuild: None,
-            revealed: None,
+            loss: None,
         }
     }
 
@@ -659,7 +793,8 @@ impl Recovery {
     }
 
     /// During a recovery: the next message rebuilt from the stream, then the delivery that
-    /// revealed the loss; `None` when no rebuild is under way.
+    /// revealed the loss, if one did; `None` when no rebuild is under way (or it has just ended
+    /// with nothing more to hand on).
     async fn next_rebuilt(&mut self) -> Option<Envelope> {
         let rebuild = self.rebuild.as_mut()?;
         while !rebuild.done {
@@ -724,12 +859,12 @@ impl Recovery {
         let Rebuild { through, revealed, .. } = self.rebuild.take()?;
         tracing::info!(subject = %self.subject, through, "partition rebuilt; consuming");
         self.seen_through = self.seen_through.max(through);
-        Some(self.mark(revealed))
+        revealed.map(|envelope| self.mark(envelope))
     }
 
     /// Rebuild everything between the consumer's ack floor and its delivered sequence from the
-    /// stream before handing on `revealed` (the delivery that revealed the loss). Dropped before
-    /// it returns, it starts again on the next call (`revealed` stays in place).
+    /// stream before handing on the delivery that revealed the loss, if one did. Dropped before
+    /// it returns, it starts again on the next call ([`Recovery::loss`] stays in place).
     async fn start_rebuild(&mut self, consumer: &jetstream::consumer::PullConsumer) {
         let (floor, delivered) = loop {
             match consumer.get_info().await {
@@ -742,7 +877,7 @@ impl Recovery {
         };
         tracing::info!(subject = %self.subject, floor, delivered, "rebuilding the partition from the ack floor");
         self.rebuilt_through = self.rebuilt_through.max(delivered);
-        let Some((revealed, handled_through)) = self.revealed.take() else { return };
+        let Some(Loss { revealed, handled_through }) = self.loss.take() else { return };
         self.rebuild = Some(Rebuild {
             reader: None,
             next: floor + 1,
