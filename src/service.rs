@@ -942,6 +942,16 @@ impl ShardSink for NatsSink {
         }
     }
 
+    fn stream_abandoned(&mut self, stream_id: &str) {
+        // Its input stays unacknowledged for the replica that consumes the partition now, which
+        // publishes the stream's outputs again under the same ids: whether those published here
+        // were stored no longer matters.
+        self.held.forget(stream_id);
+        let pending = self.unconfirmed.remove(stream_id).unwrap_or_default();
+        self.unconfirmed_total -= pending.len();
+        self.unconfirmed_failures.remove(stream_id);
+    }
+
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Envelope) {
         let Some(headers) = cause.headers.as_ref() else { return };
         let parent = crate::telemetry::extract_context(|name| headers.get(name).map(|v| v.to_string()));

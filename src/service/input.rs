@@ -38,7 +38,7 @@ use crate::codec::inbound::decode;
 use crate::codec::subject::{ack_position, escape_token, partition_of};
 use crate::config::{Config, PartitionMode};
 use crate::metrics::DropReason;
-use crate::shard::worker::{Shard, ShardEvent, ShardSet};
+use crate::shard::worker::{GivenUp, Shard, ShardEvent, ShardSet};
 
 /// Header marking the start-up probe of the partition mapping; such messages are skipped.
 pub const PROBE_HEADER: &str = "Structured-Sink-Probe";
@@ -134,6 +134,18 @@ pub async fn verify_mapping(client: &async_nats::Client, ownership: &Ownership) 
     }
 }
 
+/// What a source hands its dispatcher.
+// Events are nearly all of it: boxing them to shrink the rare variant would allocate per event.
+#[allow(clippy::large_enum_variant)]
+enum Input {
+    /// An event.
+    Event(Envelope),
+    /// This replica no longer holds the pin of a pinned-client partition: another replica
+    /// consumes it now and rebuilds its open streams, so they are given up here (see
+    /// [`Pinned::lost`]).
+    PinLost(u32),
+}
+
 /// Where one dispatcher's events come from.
 pub enum Source {
     /// A core NATS subscription.
@@ -171,7 +183,8 @@ pub struct JetStreamSource {
 /// rest was lost and is read from the stream like any other loss. A delivery that is merely
 /// slower than [`QUIET`] is then read twice, which is harmless: its own delivery counts as
 /// rebuilt. A connection that stays up costs nothing but an atomic load every [`LOOK`] while
-/// the partition waits for input.
+/// the partition waits for input (and, for a pinned partition held here, one look at the
+/// consumer per `pinned_ttl_ms` without a delivery: see [`Pinned::lost`]).
 struct LossCheck {
     /// The client's counters, whose count of connections made shows a reconnect.
     statistics: Arc<async_nats::Statistics>,
@@ -256,10 +269,26 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 /// pull client at a time; a delivery under a new pin id means the partition moved here (the
 /// previous client died, or stopped pulling for `pinned_ttl_ms`) and starts a [`Recovery`].
 struct Pinned {
+    /// The partition.
+    partition: u32,
+    /// `pinned_ttl_ms`.
+    ttl: Duration,
+    /// The later of the last delivery and the last look at the consumer: a pin lost without a
+    /// reconnect (pulls held up for `ttl` on a connection that survived) is looked for once the
+    /// partition has been quiet for `ttl` since.
+    heard: Instant,
     /// Pull expiry: well below the pin TTL, since the pin lapses when no pull arrives in time.
     expires: Duration,
     /// The pin id of the latest delivery: `None` before the first and after a new pull stream.
     pin: Option<String>,
+    /// The pin was found gone, and the dispatcher has not been told yet. A replica cut off for
+    /// longer than `pinned_ttl_ms` is not told by async-nats (it swallows the server's pin
+    /// mismatch), so the pin is compared with the consumer's after every reconnect (see
+    /// [`LossCheck`]) and after `ttl` without a delivery, and a new pull stream is a new client
+    /// that holds no pin. The streams open
+    /// here would otherwise expire here later: finals under ids the new owner uses for its own
+    /// outputs, and acks that let the ack floor pass streams the new owner still has open.
+    lost: bool,
 }
 
 /// Reading a partition again from its consumer's ack floor, when deliveries did not reach this
@@ -525,7 +554,7 @@ async fn open_pinned_consumers(
             }
         };
         tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
-        let pinned = Pinned { expires: ttl / 3, pin: None };
+        let pinned = Pinned { partition, ttl, heard: Instant::now(), expires: ttl / 3, pin: None, lost: false };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
         let recovery = Recovery::new(stream, &subject);
         let source = JetStreamSource {
@@ -559,9 +588,9 @@ async fn restart_point(stream: &stream::Stream, name: &str) -> Option<u64> {
 impl Source {
     /// The next envelope; `None` when the source has ended. Cancel-safe: the dispatcher's
     /// `select!` drops it when the expiry tick or shutdown comes first, and nothing is lost.
-    async fn next(&mut self) -> Option<Envelope> {
+    async fn next(&mut self) -> Option<Input> {
         match self {
-            Source::Core(subscriber) => subscriber.next().await.map(Envelope::core),
+            Source::Core(subscriber) => subscriber.next().await.map(|message| Input::Event(Envelope::core(message))),
             Source::JetStream(source) => Some(source.next().await),
         }
     }
@@ -569,7 +598,7 @@ impl Source {
     /// The next envelope if one is already there, without waiting: `Some(None)` when the source
     /// has ended, `None` when nothing is ready (`next` is cancel-safe, so polling it once and
     /// dropping it loses nothing).
-    fn ready(&mut self) -> Option<Option<Envelope>> {
+    fn ready(&mut self) -> Option<Option<Input>> {
         self.next().now_or_never()
     }
 }
@@ -581,10 +610,14 @@ impl JetStreamSource {
     /// [`Recovery::loss`], a rebuild's read in [`Recovery::rebuild`], the waits before a pull
     /// stream opens and before a rebuild's read counts as idle as deadlines), and async-nats' pull
     /// stream sends no pull request before its first poll, so opening one may be dropped too.
-    async fn next(&mut self) -> Envelope {
+    async fn next(&mut self) -> Input {
         loop {
+            if let Some(pinned) = self.pinned.as_mut().filter(|p| p.lost) {
+                pinned.lost = false;
+                return Input::PinLost(pinned.partition);
+            }
             if let Some(envelope) = self.recovery.next_rebuilt().await {
-                return envelope;
+                return Input::Event(envelope);
             }
             if self.recovery.loss.is_some() {
                 self.recovery.start_rebuild(&self.consumer).await;
@@ -633,9 +666,12 @@ impl JetStreamSource {
                         new
                     });
                     let (envelope, delivery) = Envelope::jetstream(message);
+                    if let Some(pinned) = self.pinned.as_mut() {
+                        pinned.heard = envelope.received;
+                    }
                     let missed = self.recovery.missed(delivery);
                     if !new_pin && !missed {
-                        return self.recovery.mark(envelope);
+                        return Input::Event(self.recovery.mark(envelope));
                     }
                     if !new_pin {
                         tracing::warn!(
@@ -669,10 +705,16 @@ impl JetStreamSource {
             self.check.arm();
             return;
         }
+        if let Some(pinned) = self.pinned.as_ref().filter(|p| p.pin.is_some()) {
+            self.check.due |= pinned.heard.elapsed() >= pinned.ttl;
+        }
         if self.check.due {
             match self.consumer.get_info().await {
                 Ok(info) => {
                     self.check.due = false;
+                    if let Some(pinned) = self.pinned.as_mut() {
+                        pinned.heard = Instant::now();
+                    }
                     self.audit(&info);
                 }
                 Err(e) => {
@@ -683,22 +725,31 @@ impl JetStreamSource {
         self.check.at = now + LOOK;
     }
 
-    /// Starts a recovery when the consumer has delivered more than reached this replica.
+    /// Starts a recovery when the consumer has delivered more than reached this replica; for a
+    /// pinned partition, first finds out whether the pin is still this replica's.
     fn audit(&mut self, info: &jetstream::consumer::Info) {
+        if let Some(pinned) = self.pinned.as_mut() {
+            // Not pinned here: the deliveries are another replica's.
+            let Some(pin) = pinned.pin.as_deref() else { return };
+            let ours = info
+                .priority_groups
+                .iter()
+                .any(|g| g.group == PRIORITY_GROUP && g.pinned_client_id.as_deref() == Some(pin));
+            if !ours {
+                tracing::warn!(
+                    subject = %self.recovery.subject,
+                    "the partition's pin has moved to another replica; giving up its open streams here"
+                );
+                pinned.pin = None;
+                pinned.lost = true;
+                return;
+            }
+        }
         let delivered = info.delivered.consumer_sequence;
         // Nothing delivered here yet: nothing processed here can be out of order.
         let Some(last) = self.recovery.last_delivery else { return };
         if delivered <= last {
             return;
-        }
-        // A pinned partition: only while the server still delivers it here (the deliveries
-        // beyond are another replica's when the pin has moved).
-        if let Some(pinned) = &self.pinned {
-            let ours = pinned.pin.is_some()
-                && info.priority_groups.iter().any(|g| g.group == PRIORITY_GROUP && g.pinned_client_id == pinned.pin);
-            if !ours {
-                return;
-            }
         }
         tracing::warn!(
             subject = %self.recovery.subject,
@@ -752,7 +803,8 @@ impl JetStreamSource {
                 Ok(messages) => {
                     self.messages = Some(messages);
                     if let Some(pinned) = self.pinned.as_mut() {
-                        pinned.pin = None;
+                        // The old stream's pin is not this one's.
+                        pinned.lost |= pinned.pin.take().is_some();
                     }
                     // Deliveries in flight to the old pull stream are lost with it.
                     self.check.arm();
@@ -937,7 +989,7 @@ impl Dispatcher {
     /// one. An owned shard is finished last.
     pub async fn run(mut self) {
         loop {
-            let envelope = tokio::select! {
+            let input = tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => break,
                 // Before the input: expiry must not wait for the input to pause (the tick is
@@ -949,15 +1001,15 @@ impl Dispatcher {
                     }
                     continue;
                 }
-                envelope = self.source.next() => envelope,
+                input = self.source.next() => input,
             };
-            let Some(envelope) = envelope else { return self.finish().await };
-            self.dispatch(envelope).await;
+            let Some(input) = input else { return self.finish().await };
+            self.take(input).await;
             // What the source already holds is taken without another round of `select!`, at most
             // a burst at a time so that shutdown and expiry are still looked at.
             for _ in 1..BURST {
                 match self.source.ready() {
-                    Some(Some(envelope)) => self.dispatch(envelope).await,
+                    Some(Some(input)) => self.take(input).await,
                     Some(None) => return self.finish().await,
                     None => break,
                 }
@@ -978,8 +1030,8 @@ impl Dispatcher {
             if let Err(e) = subscriber.drain().await {
                 tracing::warn!(error = %e, "draining the subscription failed");
             }
-            while let Some(envelope) = self.source.next().await {
-                self.dispatch(envelope).await;
+            while let Some(input) = self.source.next().await {
+                self.take(input).await;
             }
         }
         self.finish().await;
@@ -989,6 +1041,32 @@ impl Dispatcher {
     async fn finish(self) {
         if let Route::Own(shard) = self.route {
             shard.finish().await;
+        }
+    }
+
+    async fn take(&mut self, input: Input) {
+        match input {
+            Input::Event(envelope) => self.dispatch(envelope).await,
+            Input::PinLost(partition) => self.give_up(partition).await,
+        }
+    }
+
+    /// Gives up the open streams of `partition`, after the events already routed (see
+    /// [`Pinned::lost`]).
+    async fn give_up(&mut self, partition: u32) {
+        let count = self.ownership.count;
+        let given_up: GivenUp = Arc::new(move |message_id| partition_of(&escape_token(message_id), count) == partition);
+        match &mut self.route {
+            Route::Own(shard) => {
+                shard.abandon(|message_id| given_up(message_id));
+                shard.report();
+            }
+            Route::Shards(shards) => {
+                if let Err(e) = shards.abandon(given_up).await {
+                    self.readiness.set_shard_lost();
+                    tracing::error!(error = %e, partition, "cannot give up the partition's streams: a shard has stopped; /healthz fails from now on");
+                }
+            }
         }
     }
 

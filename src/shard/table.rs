@@ -326,6 +326,23 @@ impl StreamTable {
         open
     }
 
+    /// Forgets, without closing them, the open streams whose message id `given_up` picks (a
+    /// partition that another replica now consumes, and rebuilds those streams from their
+    /// unacknowledged input). They are not remembered as finished: if the partition comes back,
+    /// their events are not late. Returns their stream ids.
+    pub fn abandon_where(&mut self, mut given_up: impl FnMut(&str) -> bool) -> Vec<Box<str>> {
+        let ids: Vec<Box<str>> = self
+            .streams
+            .iter()
+            .filter(|(_, open)| given_up(&open.header.message_id()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &ids {
+            self.streams.remove(id);
+        }
+        ids
+    }
+
     /// Makes sure the event's stream is open and most recently used, evicting if needed.
     fn ensure_open(
         &mut self,

@@ -24,6 +24,7 @@
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -60,6 +61,9 @@ pub trait ShardSink: Send + 'static {
     ) -> impl Future<Output = ()> + Send;
     /// The stream ended and its last outputs are published.
     fn stream_closed(&mut self, stream_id: &str) -> impl Future<Output = ()> + Send;
+    /// The stream was given up without closing it (its input is another replica's now, which
+    /// rebuilds it from what is unacknowledged): whatever the sink holds for it is dropped unsent.
+    fn stream_abandoned(&mut self, stream_id: &str);
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Self::Envelope);
     /// Reports counters after a change. Called after every event applied outside a worker, so it
@@ -192,6 +196,23 @@ impl<S: ShardSink> Shard<S> {
         self.publish_unprompted().await;
     }
 
+    /// Gives up the open streams whose message id `given_up` picks, without outputs or acks (see
+    /// [`StreamTable::abandon_where`]); returns how many.
+    pub fn abandon(&mut self, given_up: impl FnMut(&str) -> bool) -> usize {
+        let ids = self.table.abandon_where(given_up);
+        for id in &ids {
+            self.sink.stream_abandoned(id);
+        }
+        if !ids.is_empty() {
+            tracing::info!(
+                shard = self.index,
+                open = ids.len(),
+                "gave up open streams, unacknowledged, to another replica"
+            );
+        }
+        ids.len()
+    }
+
     /// Reports the shard's counters to its sink.
     pub fn report(&mut self) {
         let (table, pipeline) = (self.table.stats(), self.table.pipeline_stats());
@@ -247,6 +268,16 @@ impl<E> ShardEvent<E> {
     }
 }
 
+/// Which open streams to give up, by message id (see [`Shard::abandon`]).
+pub type GivenUp = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// What a worker's inbox carries, in the order the worker must handle it.
+enum Work<E> {
+    Event(ShardEvent<E>),
+    /// Give up the open streams this picks, after the events queued before.
+    Abandon(GivenUp),
+}
+
 /// Events a worker takes from its inbox at once.
 const BATCH: usize = 64;
 
@@ -266,7 +297,7 @@ pub struct ShardSettings {
 
 /// The workers and the senders that feed them.
 pub struct ShardSet<E> {
-    inboxes: Vec<mpsc::Sender<ShardEvent<E>>>,
+    inboxes: Vec<mpsc::Sender<Work<E>>>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -305,14 +336,23 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
     pub async fn route(&self, event: ShardEvent<E>) -> Result<bool, ShardStopped> {
         let shard = self.shard_of(&event.event.message_id(&event.payload));
         let inbox = &self.inboxes[shard];
-        match inbox.try_send(event) {
+        match inbox.try_send(Work::Event(event)) {
             Ok(()) => Ok(false),
-            Err(mpsc::error::TrySendError::Full(event)) => {
-                inbox.send(event).await.map_err(|_| ShardStopped(shard))?;
+            Err(mpsc::error::TrySendError::Full(work)) => {
+                inbox.send(work).await.map_err(|_| ShardStopped(shard))?;
                 Ok(true)
             }
             Err(mpsc::error::TrySendError::Closed(_)) => Err(ShardStopped(shard)),
         }
+    }
+
+    /// Tells every worker to give up the open streams `given_up` picks, once it has applied the
+    /// events queued before; waits while an inbox is full.
+    pub async fn abandon(&self, given_up: GivenUp) -> Result<(), ShardStopped> {
+        for (shard, inbox) in self.inboxes.iter().enumerate() {
+            inbox.send(Work::Abandon(given_up.clone())).await.map_err(|_| ShardStopped(shard))?;
+        }
+        Ok(())
     }
 
     /// Closes the inboxes and waits for every worker to finish its queue, close its streams and
@@ -358,7 +398,7 @@ impl Hasher for Fnv1a {
 
 /// A worker task: applies queued events in order and expires idle streams on the tick until the
 /// inbox closes, then finishes the shard.
-async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver<ShardEvent<S::Envelope>>) {
+async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver<Work<S::Envelope>>) {
     let mut batch = Vec::with_capacity(BATCH);
     loop {
         tokio::select! {
@@ -373,8 +413,15 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
                 }
                 // Events queued together arrived within moments of each other: one clock read.
                 let now = tokio::time::Instant::now().into_std();
-                for ShardEvent { event, payload, envelope } in batch.drain(..) {
-                    shard.apply(&event.attach(&payload), envelope, now).await;
+                for work in batch.drain(..) {
+                    match work {
+                        Work::Event(ShardEvent { event, payload, envelope }) => {
+                            shard.apply(&event.attach(&payload), envelope, now).await;
+                        }
+                        Work::Abandon(given_up) => {
+                            shard.abandon(|message_id| given_up(message_id));
+                        }
+                    }
                 }
             }
         }
@@ -436,6 +483,9 @@ mod tests {
         }
         async fn applied(&mut self, id: &str, envelope: u32, standing: Standing) {
             self.0.lock().unwrap().push(format!("applied {id} {envelope} {standing:?}"));
+        }
+        fn stream_abandoned(&mut self, id: &str) {
+            self.0.lock().unwrap().push(format!("abandoned {id}"));
         }
         async fn stream_closed(&mut self, id: &str) {
             self.0.lock().unwrap().push(format!("closed {id}"));
@@ -504,6 +554,38 @@ mod tests {
             assert_eq!(seqs, (1..=6).collect::<Vec<_>>(), "m{m}: five deltas then the shutdown final");
         }
         assert_eq!(log.iter().filter(|l| *l == "flush").count(), 3, "every worker flushes");
+    }
+
+    /// Giving up a message's stream publishes nothing for it and releases nothing: it is forgotten
+    /// after the events queued before, and a later event of it opens it afresh (not late).
+    #[tokio::test]
+    async fn given_up_streams_leave_without_outputs_or_acks_and_may_open_again() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(2), |_| (table(Duration::from_secs(60)), log.clone()));
+        set.route(delta("gone", "a ", 1)).await.unwrap();
+        set.route(delta("kept", "b ", 2)).await.unwrap();
+        set.route(delta("gone", "c ", 3)).await.unwrap();
+        set.abandon(Arc::new(|message_id: &str| message_id == "gone")).await.unwrap();
+        set.route(delta("gone", "d ", 4)).await.unwrap();
+        set.route(fin("gone", 5)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let gone: Vec<&String> = log.iter().filter(|l| l.contains("gone")).collect();
+        let expected = [
+            "chat.filtered gone:1 Some(1)",
+            "applied gone 1 Opened",
+            "chat.filtered gone:2 Some(3)",
+            "applied gone 3 Following",
+            "abandoned gone",
+            // Opened again: numbered from 1, as the next owner's rebuild would number it.
+            "chat.filtered gone:1 Some(4)",
+            "applied gone 4 Opened",
+            "chat.filtered gone:2 Some(5)",
+            "applied gone 5 Following",
+            "closed gone",
+        ];
+        assert_eq!(gone, expected, "{log:#?}");
+        assert!(log.contains(&"closed kept".to_owned()), "the other stream is untouched: {log:#?}");
     }
 
     #[tokio::test(start_paused = true)]

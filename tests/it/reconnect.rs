@@ -41,6 +41,11 @@ struct Connection {
 struct Proxy {
     url: String,
     connections: Arc<Mutex<Vec<Connection>>>,
+    /// While set, new connections are closed at once (the server looks unreachable).
+    refuse: Arc<AtomicBool>,
+    /// While set, no byte goes either way on any connection (a network that stalls, with no
+    /// connection lost); the bytes wait.
+    hold: Arc<AtomicBool>,
     accept: JoinHandle<()>,
 }
 
@@ -50,16 +55,36 @@ impl Proxy {
         let url = format!("nats://{}", listener.local_addr().unwrap());
         let connections: Arc<Mutex<Vec<Connection>>> = Arc::default();
         let accepted = connections.clone();
+        let refuse = Arc::new(AtomicBool::new(false));
+        let refusing = refuse.clone();
+        let hold = Arc::new(AtomicBool::new(false));
+        let holding = hold.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 // Refusing by closing: the client retries, as it would with a server down.
+                if refusing.load(Ordering::SeqCst) {
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(server).await else { continue };
                 let discard = Arc::new(AtomicBool::new(false));
-                let task = tokio::spawn(forward(client, server, discard.clone()));
+                let task = tokio::spawn(forward(client, server, discard.clone(), holding.clone()));
                 accepted.lock().unwrap().push(Connection { discard, task });
             }
         });
-        Proxy { url, connections, accept }
+        Proxy { url, connections, refuse, hold, accept }
+    }
+
+    /// Stops every byte both ways, without closing anything (`false`: lets them go on).
+    fn hold(&self, hold: bool) {
+        self.hold.store(hold, Ordering::SeqCst);
+    }
+
+    /// Cuts the current connections and refuses new ones (`false`: accepts them again).
+    fn cut_off(&self, refuse: bool) {
+        self.refuse.store(refuse, Ordering::SeqCst);
+        if refuse {
+            self.cut();
+        }
     }
 
     /// From now on, the current connections drop every byte the server sends.
@@ -84,27 +109,42 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies bytes both ways until either side closes; the server's bytes only while `discard` is
-/// unset.
-async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>) {
+/// Copies bytes both ways until either side closes, none while `hold` is set; the server's bytes
+/// only while `discard` is unset.
+async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>, hold: Arc<AtomicBool>) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let to_server = tokio::io::copy(&mut client_read, &mut server_write);
-    let to_client = async {
-        let mut buffer = vec![0; 64 * 1024];
-        loop {
-            let n = match server_read.read(&mut buffer).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            if !discard.load(Ordering::SeqCst) && client_write.write_all(&buffer[..n]).await.is_err() {
-                break;
-            }
+    let never = AtomicBool::new(false);
+    tokio::select! {
+        () = pass(&mut client_read, &mut server_write, &never, &hold) => {}
+        () = pass(&mut server_read, &mut client_write, &discard, &hold) => {}
+    }
+}
+
+/// Copies bytes from `from` to `to` until either closes: dropped while `discard` is set, waiting
+/// while `hold` is.
+async fn pass(
+    from: &mut (impl tokio::io::AsyncRead + Unpin),
+    to: &mut (impl tokio::io::AsyncWrite + Unpin),
+    discard: &AtomicBool,
+    hold: &AtomicBool,
+) {
+    let held = || async {
+        while hold.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     };
-    tokio::select! {
-        _ = to_server => {}
-        _ = to_client => {}
+    let mut buffer = vec![0; 64 * 1024];
+    loop {
+        held().await;
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        held().await;
+        if !discard.load(Ordering::SeqCst) && to.write_all(&buffer[..n]).await.is_err() {
+            break;
+        }
     }
 }
 
@@ -222,6 +262,79 @@ async fn a_delivery_lost_with_the_connection_at_the_end_of_the_input_is_applied(
     let got = read_all(&mut out, total).await;
     service.shutdown().await.unwrap();
     assert_eq!(group(&got), expected);
+}
+
+/// `jetstream.pinned_client`: replica 0 owns the one partition and reaches the server through the
+/// proxy; replica 1 stands by. Replica 0 applies "A " of stream `m`, then is cut off for longer
+/// than `pinned_ttl_ms`: the server pins the partition to replica 1, which rebuilds `m` from the
+/// ack floor. When replica 0 is back, it must find the pin gone and give `m` up: before, it kept
+/// `m` open and closed it after `shards.idle_timeout_ms` as expired, with a final under the id of
+/// replica 1's next output of `m` ("m:2"), which downstream deduplication then kept in place of
+/// replica 1's "B ". (Needs nats-server 2.11 or later; with an older one, start-up must refuse
+/// `pinned_client`.)
+#[tokio::test]
+async fn a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams() {
+    lose_the_pin(|proxy, off| proxy.cut_off(off)).await;
+}
+
+/// The same when the network only stalls: nothing goes either way for longer than
+/// `pinned_ttl_ms`, and then everything held up arrives, on the same connection. No reconnect
+/// tells replica 0 anything: it must look at the pin after `pinned_ttl_ms` without a delivery.
+#[tokio::test]
+async fn a_replica_whose_pin_lapsed_without_a_reconnect_gives_up_its_open_streams() {
+    lose_the_pin(|proxy, off| proxy.hold(off)).await;
+}
+
+/// Replica 0 loses the pin of the one partition while `isolate(proxy, true)` keeps it from the
+/// server (see [`a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams`]).
+async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
+    let (server, proxy, mut config) = proxied().await;
+    if server.version() < (2, 11, 0) {
+        crate::scale::assert_pinned_client_refused(&server).await;
+        return;
+    }
+    config.jetstream.pinned_client = true;
+    config.jetstream.pinned_ttl_ms = 2_000;
+    config.partitions.replica_count = 2;
+    // Long enough for replica 0 to be back and find the pin gone before `m` would expire.
+    config.shards.idle_timeout_ms = 15_000;
+    let mut standby = config.clone();
+    standby.nats.servers = vec![server.url()];
+    standby.partitions.replica_index = 1;
+    let owner = RunningService::start(config).await.unwrap();
+    let standby = RunningService::start(standby).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
+    let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
+    let events = [partial("A "), partial("B "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
+
+    publish_inputs(&js, &events, 0..1).await;
+    assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "\"A \" applied by replica 0");
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let pinned = crate::scale::pins(&input, 1).await[0].clone();
+    assert!(pinned.is_some(), "replica 0 holds the pin");
+    let applied = Instant::now();
+    // Replica 0 looks at the consumer once after its first pull stream opens and the partition
+    // goes quiet (a second or two): let that pass, so that only what follows the isolation can
+    // tell it the pin has moved.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    isolate(&proxy, true);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while crate::scale::pins(&input, 1).await[0] == pinned {
+        assert!(Instant::now() < deadline, "the pin moved to replica 1");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    isolate(&proxy, false);
+    // Past the moment replica 0 would have expired `m` (the idle timeout and a tick of 1 s).
+    tokio::time::sleep_until((applied + Duration::from_millis(15_000 + 3_000)).into()).await;
+    publish_inputs(&js, &events, 1..3).await;
+
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let got = read_all(&mut out, total).await;
+    standby.shutdown().await.unwrap();
+    owner.shutdown().await.unwrap();
+    assert_eq!(group(&got), expected, "replica 1's outputs of m, none of replica 0's after the takeover");
 }
 
 /// A pass-through event lost the same way is forwarded once: by the read of the partition that

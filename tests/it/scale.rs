@@ -629,7 +629,7 @@ async fn many_workers_with_many_open_streams_do_not_exhaust_the_confirmations_in
 }
 
 /// The pin of each partition consumer's priority group: `None` while no replica is pinned.
-async fn pins(stream: &jetstream::stream::Stream, partitions: u32) -> Vec<Option<String>> {
+pub(crate) async fn pins(stream: &jetstream::stream::Stream, partitions: u32) -> Vec<Option<String>> {
     let mut pins = Vec::new();
     for partition in 0..partitions {
         let mut consumer: jetstream::consumer::PullConsumer =
@@ -664,19 +664,25 @@ async fn pinned_client_standby_owning_nothing_with_one_shard_takes_over() {
     pinned_takeover(1, 1).await;
 }
 
+/// With a server older than 2.11, start-up refuses `jetstream.pinned_client` with a clear error,
+/// before creating anything.
+pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
+    let mut config = jetstream_config(&server.url());
+    config.jetstream.pinned_client = true;
+    let error = RunningService::start(config).await.err().expect("pinned_client refused before 2.11");
+    let message = error.to_string();
+    assert!(message.contains("pinned_client needs nats-server 2.11"), "{message}");
+    assert!(message.contains(server.version_string()), "{message}");
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    assert!(js.get_stream("CHAT_RAW").await.is_err(), "nothing created before refusing");
+}
+
 /// Two pinned replicas over `partitions` partitions with `shards` shard workers each; replica 0 is
 /// killed mid-run (see [`pinned_client_standby_takes_over_after_kill_9`]).
 async fn pinned_takeover(partitions: u32, shards: u32) {
     let server = NatsServer::builder().config(mapping(partitions)).start();
     if server.version() < (2, 11, 0) {
-        let mut config = jetstream_config(&server.url());
-        config.jetstream.pinned_client = true;
-        let error = RunningService::start(config).await.err().expect("pinned_client refused before 2.11");
-        let message = error.to_string();
-        assert!(message.contains("pinned_client needs nats-server 2.11"), "{message}");
-        assert!(message.contains(server.version_string()), "{message}");
-        let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
-        assert!(js.get_stream("CHAT_RAW").await.is_err(), "nothing created before refusing");
+        assert_pinned_client_refused(&server).await;
         return;
     }
     let (client, js, mut out) = downstream(&server.url()).await;
