@@ -191,6 +191,30 @@ async fn lose_delivery(proxy: &Proxy, js: &jetstream::Context, events: &[(String
     proxy.cut();
 }
 
+/// The events of stream `m`: a `partial` per delta, then a `final`.
+fn stream_m(deltas: &[&str]) -> Vec<(String, String)> {
+    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
+    let partials =
+        deltas.iter().map(|delta| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta})));
+    partials.chain([event(json!({"type": "final", "meta": {"message_id": "m"}}))]).collect()
+}
+
+/// What replay gives for `events`, and what `out` holds (deduplicated by `Nats-Msg-Id`) once it
+/// holds as many outputs, both grouped by stream.
+async fn replayed_and_stored(
+    server: &NatsServer,
+    out: &mut jetstream::stream::Stream,
+    events: &[(String, String)],
+) -> (Grouped, Grouped) {
+    let expected = replayed(&test_config(&server.url()), events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    let got = read_all(out, total).await;
+    (expected, group(&got))
+}
+
+/// Outputs by stream, as `replayed` and `group` give them.
+type Grouped = std::collections::BTreeMap<String, Vec<(String, serde_json::Value)>>;
+
 /// The `FilteredText` stored last on `chat.filtered` in `out`, if any.
 async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::FilteredText> {
     let message = out.get_last_raw_message_by_subject("chat.filtered").await.ok()?;
@@ -206,10 +230,7 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
     let service = RunningService::start(config).await.unwrap();
     // The test's own clients talk to the server directly.
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
-    let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
-    let events =
-        [partial("A "), partial("B "), partial("C "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
+    let events = stream_m(&["A ", "B ", "C "]);
 
     publish_inputs(&js, &events, 0..1).await;
     let before = stored(&mut out, 1, Duration::from_secs(30)).await;
@@ -228,11 +249,9 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
     assert_eq!(last.text, "A B C ", "the final text of m, every delta in order");
 
     // Everything stored downstream (deduplicated by Nats-Msg-Id) is what replay gives.
-    let expected = replayed(&test_config(&server.url()), &events);
-    let total: usize = expected.values().map(Vec::len).sum();
-    let got = read_all(&mut out, total).await;
+    let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
     service.shutdown().await.unwrap();
-    assert_eq!(group(&got), expected);
+    assert_eq!(got, expected);
 }
 
 /// Stream `m`: "A " is applied; "B ", the last input for now, is delivered into a connection that
@@ -245,9 +264,7 @@ async fn a_delivery_lost_with_the_connection_at_the_end_of_the_input_is_applied(
     config.jetstream.ack_wait_ms = 600_000;
     let service = RunningService::start(config).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
-    let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
-    let events = [partial("A "), partial("B "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
+    let events = stream_m(&["A ", "B "]);
 
     publish_inputs(&js, &events, 0..1).await;
     assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "the output of \"A \" stored before the drop");
@@ -257,11 +274,9 @@ async fn a_delivery_lost_with_the_connection_at_the_end_of_the_input_is_applied(
     assert_eq!(last_filtered(&out).await.map(|t| t.delta).as_deref(), Some("B "));
 
     publish_inputs(&js, &events, 2..3).await;
-    let expected = replayed(&test_config(&server.url()), &events);
-    let total: usize = expected.values().map(Vec::len).sum();
-    let got = read_all(&mut out, total).await;
+    let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
     service.shutdown().await.unwrap();
-    assert_eq!(group(&got), expected);
+    assert_eq!(got, expected);
 }
 
 /// `jetstream.pinned_client`: replica 0 owns the one partition and reaches the server through the
@@ -304,9 +319,7 @@ async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
     let owner = RunningService::start(config).await.unwrap();
     let standby = RunningService::start(standby).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
-    let partial = |delta: &str| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta}));
-    let events = [partial("A "), partial("B "), event(json!({"type": "final", "meta": {"message_id": "m"}}))];
+    let events = stream_m(&["A ", "B "]);
 
     publish_inputs(&js, &events, 0..1).await;
     assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "\"A \" applied by replica 0");
@@ -329,12 +342,10 @@ async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
     tokio::time::sleep_until((applied + Duration::from_millis(15_000 + 3_000)).into()).await;
     publish_inputs(&js, &events, 1..3).await;
 
-    let expected = replayed(&test_config(&server.url()), &events);
-    let total: usize = expected.values().map(Vec::len).sum();
-    let got = read_all(&mut out, total).await;
+    let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
     standby.shutdown().await.unwrap();
     owner.shutdown().await.unwrap();
-    assert_eq!(group(&got), expected, "replica 1's outputs of m, none of replica 0's after the takeover");
+    assert_eq!(got, expected, "replica 1's outputs of m, none of replica 0's after the takeover");
 }
 
 /// A pass-through event lost the same way is forwarded once: by the read of the partition that
