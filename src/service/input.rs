@@ -181,20 +181,28 @@ pub struct JetStreamSource {
 /// a reconnect, or a new pull stream, once the partition has been quiet for [`QUIET`], the replica
 /// asks the consumer how far it has delivered: beyond the last delivery that arrived here, the
 /// rest was lost and is read from the stream like any other loss. A delivery that is merely
-/// slower than [`QUIET`] is then read twice, which is harmless: its own delivery counts as
-/// rebuilt. A connection that stays up costs nothing but an atomic load every [`LOOK`] while
-/// the partition waits for input (and, for a pinned partition held here, one look at the
-/// consumer per `pinned_ttl_ms` without a delivery: see [`Pinned::lost`]).
+/// slower than [`QUIET`] (or overtaken by the consumer's answer) is then read twice, which is
+/// harmless: its own delivery counts as rebuilt. The same look finds a pin lost (see
+/// [`Pinned::lost`]).
+///
+/// Costs: while the partition waits for input, one timer, looked at every [`LOOK`] (an atomic
+/// load); one consumer-info request per partition after a reconnect or a new pull stream (none for
+/// a pinned partition not held here); and for a pinned partition held here, one per
+/// `pinned_ttl_ms` without a delivery. While it asks, the partition's next delivery waits (the
+/// request is a round trip; after a failure it asks again at the next look).
 struct LossCheck {
     /// The client's counters, whose count of connections made shows a reconnect.
     statistics: Arc<async_nats::Statistics>,
     /// That count when last looked at.
     connects: u64,
-    /// A reconnect, or a new pull stream, since the consumer was last asked.
-    due: bool,
-    /// The next look: at the count of connections, or, when due, at the consumer. A deadline in
-    /// `self`, so that a dropped [`JetStreamSource::next`] does not start it again.
-    at: tokio::time::Instant,
+    /// A reconnect, or a new pull stream, since the consumer was last asked: deliveries may have
+    /// been lost at the end of the input.
+    suspect: bool,
+    /// The later of the last delivery here and the last answer of the consumer.
+    heard: Instant,
+    /// The next look. One timer, reset at each look, rather than one made for every wait (a
+    /// dropped [`JetStreamSource::next`] leaves it in place).
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
 }
 
 /// How often a waiting partition looks at the connection count.
@@ -208,13 +216,8 @@ impl LossCheck {
     fn new(client: &async_nats::Client) -> Self {
         let statistics = client.statistics();
         let connects = statistics.connects.load(std::sync::atomic::Ordering::Relaxed);
-        LossCheck { statistics, connects, due: false, at: tokio::time::Instant::now() + LOOK }
-    }
-
-    /// Asks for a look at the consumer once the partition has been quiet for [`QUIET`].
-    fn arm(&mut self) {
-        self.due = true;
-        self.at = tokio::time::Instant::now() + QUIET;
+        let timer = Box::pin(tokio::time::sleep(LOOK));
+        LossCheck { statistics, connects, suspect: false, heard: Instant::now(), timer }
     }
 }
 
@@ -271,23 +274,25 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 struct Pinned {
     /// The partition.
     partition: u32,
-    /// `pinned_ttl_ms`.
+    /// `pinned_ttl_ms`: a pin lost without a reconnect (pulls held up that long on a connection
+    /// that survived) is looked for once the partition has been quiet that long.
     ttl: Duration,
-    /// The later of the last delivery and the last look at the consumer: a pin lost without a
-    /// reconnect (pulls held up for `ttl` on a connection that survived) is looked for once the
-    /// partition has been quiet for `ttl` since.
-    heard: Instant,
     /// Pull expiry: well below the pin TTL, since the pin lapses when no pull arrives in time.
     expires: Duration,
-    /// The pin id of the latest delivery: `None` before the first and after a new pull stream.
+    /// The pin id of the latest delivery: `None` before the first, after a new pull stream, and
+    /// once the pin is found gone.
     pin: Option<String>,
+    /// The pin found gone last: deliveries still arriving under it were sent before it moved and
+    /// are left to the new owner (unacknowledged here).
+    gone: Option<String>,
     /// The pin was found gone, and the dispatcher has not been told yet. A replica cut off for
     /// longer than `pinned_ttl_ms` is not told by async-nats (it swallows the server's pin
     /// mismatch), so the pin is compared with the consumer's after every reconnect (see
-    /// [`LossCheck`]) and after `ttl` without a delivery, and a new pull stream is a new client
-    /// that holds no pin. The streams open
-    /// here would otherwise expire here later: finals under ids the new owner uses for its own
-    /// outputs, and acks that let the ack floor pass streams the new owner still has open.
+    /// [`LossCheck`]) and after `ttl` without a delivery; a new pull stream is a new client, and a
+    /// new pin means the partition came back after it had gone: either way the pin held before is
+    /// gone. The streams open here would otherwise expire here later (finals under ids the new
+    /// owner uses for its own outputs, acks that let the ack floor pass streams the new owner still
+    /// has open), or go on from the middle after a takeover read.
     lost: bool,
 }
 
@@ -308,7 +313,8 @@ struct Pinned {
 struct Recovery {
     stream: stream::Stream,
     subject: String,
-    /// The consumer sequence of the latest delivery here: `None` before the first.
+    /// The consumer sequence of the latest delivery here. A replica's own consumer starts from
+    /// what it had delivered when opened; a shared (pinned) one from `None`, until the first.
     last_delivery: Option<u64>,
     /// The highest stream sequence processed here (delivered, or read by a rebuild).
     seen_through: u64,
@@ -344,7 +350,8 @@ struct Rebuild {
     open_at: tokio::time::Instant,
     /// The last stream sequence to read: the consumer's delivered sequence when it started.
     through: u64,
-    /// The delivery that revealed the loss, handed on after the rebuilt messages.
+    /// The delivery that revealed the loss, handed on after the rebuilt messages; `None` when
+    /// asking the consumer did (see [`LossCheck`]).
     revealed: Option<Envelope>,
     /// Messages read at or below this stream sequence were processed before (here, or by the
     /// previous owner at a takeover) and count as redeliveries; those above, lost on the way
@@ -482,7 +489,10 @@ async fn open_consumers(
             .await
             .map_err(|e| js_error(&format!("consumer {name}"), &e))?;
         tracing::info!(consumer = %name, %subject, start = ?start, "consuming");
-        let recovery = Recovery::new(&stream, &subject);
+        // The consumer is this replica's alone (and new, see `restart_point`): what it has
+        // delivered so far is the baseline, so that even the first deliveries can be found lost.
+        let delivered = consumer.cached_info().delivered.consumer_sequence;
+        let recovery = Recovery::new(&stream, &subject, Some(delivered));
         let check = LossCheck::new(client);
         let source =
             JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None, check };
@@ -554,9 +564,10 @@ async fn open_pinned_consumers(
             }
         };
         tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
-        let pinned = Pinned { partition, ttl, heard: Instant::now(), expires: ttl / 3, pin: None, lost: false };
+        let pinned = Pinned { partition, ttl, expires: ttl / 3, pin: None, gone: None, lost: false };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
-        let recovery = Recovery::new(stream, &subject);
+        // Shared: what it delivered went to whichever replica held the pin.
+        let recovery = Recovery::new(stream, &subject, None);
         let source = JetStreamSource {
             consumer,
             pull: Pull::of(cfg),
@@ -586,7 +597,7 @@ async fn restart_point(stream: &stream::Stream, name: &str) -> Option<u64> {
 }
 
 impl Source {
-    /// The next envelope; `None` when the source has ended. Cancel-safe: the dispatcher's
+    /// The next input; `None` when the source has ended. Cancel-safe: the dispatcher's
     /// `select!` drops it when the expiry tick or shutdown comes first, and nothing is lost.
     async fn next(&mut self) -> Option<Input> {
         match self {
@@ -595,7 +606,7 @@ impl Source {
         }
     }
 
-    /// The next envelope if one is already there, without waiting: `Some(None)` when the source
+    /// The next input if one is already there, without waiting: `Some(None)` when the source
     /// has ended, `None` when nothing is ready (`next` is cancel-safe, so polling it once and
     /// dropping it loses nothing).
     fn ready(&mut self) -> Option<Option<Input>> {
@@ -604,12 +615,14 @@ impl Source {
 }
 
 impl JetStreamSource {
-    /// The next envelope; only shutdown (which drops this future) ends a JetStream source.
+    /// The next input (an event, or a pin found gone); only shutdown (which drops this future)
+    /// ends a JetStream source.
     ///
     /// Cancel-safe: every state it waits in lives in `self` (a recovery's revealing delivery in
     /// [`Recovery::loss`], a rebuild's read in [`Recovery::rebuild`], the waits before a pull
-    /// stream opens and before a rebuild's read counts as idle as deadlines), and async-nats' pull
-    /// stream sends no pull request before its first poll, so opening one may be dropped too.
+    /// stream opens and before a rebuild's read counts as idle as deadlines, the loss check's
+    /// timer), and async-nats' pull stream sends no pull request before its first poll, so opening
+    /// one may be dropped too.
     async fn next(&mut self) -> Input {
         loop {
             if let Some(pinned) = self.pinned.as_mut().filter(|p| p.lost) {
@@ -627,48 +640,51 @@ impl JetStreamSource {
                 self.open().await;
                 continue;
             };
-            // What is there already is taken without a timer; only a wait also waits for the
-            // next look of the loss check.
-            let look_at = self.check.at;
+            // What is there already is taken without looking at the timer; only a wait also waits
+            // for the next look of the loss check.
             let item = match messages.next().now_or_never() {
                 Some(item) => Some(item),
                 None => tokio::select! {
                     biased;
                     item = messages.next() => Some(item),
-                    () = tokio::time::sleep_until(look_at) => None,
+                    () = self.check.timer.as_mut() => None,
                 },
             };
             let Some(item) = item else {
                 self.look().await;
                 continue;
             };
-            if self.check.due {
-                // Not quiet yet.
-                self.check.at = tokio::time::Instant::now() + QUIET;
-            }
             match item {
                 None => {
-                    // The pull stream ended (a consumer leader lost with its node, a reconnect):
-                    // open it again. A new pull stream is a new client for the server, so a pin
-                    // held by the old one is gone: the next pin seen here starts a takeover.
+                    // The pull stream ended (the consumer deleted, or a request refused; a reconnect
+                    // does not end it): open it again. A new pull stream is a new client for the
+                    // server, so a pin held by the old one is gone: the next pin seen here starts
+                    // a takeover.
                     tracing::warn!("JetStream pull stream ended; reopening it");
                     self.messages = None;
                     self.open_at = Some(tokio::time::Instant::now() + REOPEN_PAUSE);
                 }
                 Some(Ok(message)) => {
                     // Only pinned-client consumers carry a pin: others skip the header lookup.
-                    let new_pin = self.pinned.as_mut().is_some_and(|pinned| {
-                        let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
-                        let new = pin.is_some() && pin != pinned.pin;
-                        if new {
-                            pinned.pin = pin;
-                        }
-                        new
-                    });
-                    let (envelope, delivery) = Envelope::jetstream(message);
+                    let mut new_pin = false;
                     if let Some(pinned) = self.pinned.as_mut() {
-                        pinned.heard = envelope.received;
+                        let pin = message.headers.as_ref().and_then(|h| h.get_last(NATS_PIN_ID)).map(|v| v.to_string());
+                        if pin.is_some() && pin == pinned.gone {
+                            // Sent before the pin moved, read only now: the new owner has it.
+                            continue;
+                        }
+                        if pin.is_some() && pin != pinned.pin {
+                            // A pin held before is gone: its streams are given up (the loop tells
+                            // the dispatcher first) before the takeover read rebuilds them.
+                            if let Some(old) = pinned.pin.replace(pin.unwrap_or_default()) {
+                                pinned.gone = Some(old);
+                                pinned.lost = true;
+                            }
+                            new_pin = true;
+                        }
                     }
+                    let (envelope, delivery) = Envelope::jetstream(message);
+                    self.check.heard = envelope.received;
                     let missed = self.recovery.missed(delivery);
                     if !new_pin && !missed {
                         return Input::Event(self.recovery.mark(envelope));
@@ -694,40 +710,41 @@ impl JetStreamSource {
         }
     }
 
-    /// The loss check's look (see [`LossCheck`]): at the count of connections and, when due and
-    /// the partition has been quiet, at the consumer. Dropped while asking, it asks again on the
-    /// next call.
+    /// The loss check's look (see [`LossCheck`]): at the count of connections and, when the
+    /// partition has been quiet long enough, at the consumer. Dropped while asking, it asks again
+    /// on the next call (the timer has fired and stays so).
     async fn look(&mut self) {
-        let now = tokio::time::Instant::now();
         let connects = self.check.statistics.connects.load(std::sync::atomic::Ordering::Relaxed);
         if connects != self.check.connects {
             self.check.connects = connects;
-            self.check.arm();
-            return;
+            self.check.suspect = true;
         }
-        if let Some(pinned) = self.pinned.as_ref().filter(|p| p.pin.is_some()) {
-            self.check.due |= pinned.heard.elapsed() >= pinned.ttl;
-        }
-        if self.check.due {
+        let quiet = self.check.heard.elapsed();
+        // A pinned partition not held here: nothing delivered here can be lost, no pin to lose.
+        let held = self.pinned.as_ref().is_none_or(|p| p.pin.is_some());
+        let pin_may_lapse = self.pinned.as_ref().is_some_and(|p| p.pin.is_some() && quiet >= p.ttl);
+        if !held {
+            self.check.suspect = false;
+        } else if (self.check.suspect && quiet >= QUIET) || pin_may_lapse {
             match self.consumer.get_info().await {
                 Ok(info) => {
-                    self.check.due = false;
-                    if let Some(pinned) = self.pinned.as_mut() {
-                        pinned.heard = Instant::now();
-                    }
-                    self.audit(&info);
+                    self.check.heard = Instant::now();
+                    let tail = std::mem::take(&mut self.check.suspect);
+                    self.audit(&info, tail);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, subject = %self.recovery.subject, "consumer info for the loss check failed; asking again")
                 }
             }
         }
-        self.check.at = now + LOOK;
+        self.check.timer.as_mut().reset(tokio::time::Instant::now() + LOOK);
     }
 
-    /// Starts a recovery when the consumer has delivered more than reached this replica; for a
-    /// pinned partition, first finds out whether the pin is still this replica's.
-    fn audit(&mut self, info: &jetstream::consumer::Info) {
+    /// For a pinned partition, finds out whether the pin is still this replica's; then, when
+    /// deliveries may have been lost (`tail`: a reconnect or a new pull stream; a connection that
+    /// stayed up loses nothing), starts a recovery if the consumer has delivered more than reached
+    /// this replica.
+    fn audit(&mut self, info: &jetstream::consumer::Info, tail: bool) {
         if let Some(pinned) = self.pinned.as_mut() {
             // Not pinned here: the deliveries are another replica's.
             let Some(pin) = pinned.pin.as_deref() else { return };
@@ -740,10 +757,13 @@ impl JetStreamSource {
                     subject = %self.recovery.subject,
                     "the partition's pin has moved to another replica; giving up its open streams here"
                 );
-                pinned.pin = None;
+                pinned.gone = pinned.pin.take();
                 pinned.lost = true;
                 return;
             }
+        }
+        if !tail {
+            return;
         }
         let delivered = info.delivered.consumer_sequence;
         // Nothing delivered here yet: nothing processed here can be out of order.
@@ -804,10 +824,13 @@ impl JetStreamSource {
                     self.messages = Some(messages);
                     if let Some(pinned) = self.pinned.as_mut() {
                         // The old stream's pin is not this one's.
-                        pinned.lost |= pinned.pin.take().is_some();
+                        if let Some(old) = pinned.pin.take() {
+                            pinned.gone = Some(old);
+                            pinned.lost = true;
+                        }
                     }
                     // Deliveries in flight to the old pull stream are lost with it.
-                    self.check.arm();
+                    self.check.suspect = true;
                     return;
                 }
                 Err(e) => {
@@ -820,11 +843,11 @@ impl JetStreamSource {
 }
 
 impl Recovery {
-    fn new(stream: &stream::Stream, subject: &str) -> Self {
+    fn new(stream: &stream::Stream, subject: &str, last_delivery: Option<u64>) -> Self {
         Recovery {
             stream: stream.clone(),
             subject: subject.to_owned(),
-            last_delivery: None,
+            last_delivery,
             seen_through: 0,
             rebuilt_through: 0,
             rebuild: None,
