@@ -610,7 +610,14 @@ impl Source {
     /// has ended, `None` when nothing is ready (`next` is cancel-safe, so polling it once and
     /// dropping it loses nothing).
     fn ready(&mut self) -> Option<Option<Input>> {
-        self.next().now_or_never()
+        // Per source kind: polling `next` would build (and move) the future of both kinds, and
+        // the JetStream one is large; this runs for nearly every event.
+        match self {
+            Source::Core(subscriber) => {
+                subscriber.next().now_or_never().map(|message| message.map(|m| Input::Event(Envelope::core(m))))
+            }
+            Source::JetStream(source) => source.next().now_or_never().map(Some),
+        }
     }
 }
 
@@ -633,11 +640,13 @@ impl JetStreamSource {
                 return Input::Event(envelope);
             }
             if self.recovery.loss.is_some() {
-                self.recovery.start_rebuild(&self.consumer).await;
+                // Boxed, as are the other rare waits below: inline, their futures would make the
+                // future of every `next` larger, and it is made (and moved) once per event.
+                Box::pin(self.recovery.start_rebuild(&self.consumer)).await;
                 continue;
             }
             let Some(messages) = self.messages.as_mut() else {
-                self.open().await;
+                Box::pin(self.open()).await;
                 continue;
             };
             // What is there already is taken without looking at the timer; only a wait also waits
@@ -651,7 +660,7 @@ impl JetStreamSource {
                 },
             };
             let Some(item) = item else {
-                self.look().await;
+                Box::pin(self.look()).await;
                 continue;
             };
             match item {
