@@ -296,6 +296,16 @@ struct Pinned {
     lost: bool,
 }
 
+impl Pinned {
+    /// The pin held here, if any, is gone: remembered as such, and the dispatcher is to be told.
+    fn lose(&mut self) {
+        if let Some(old) = self.pin.take() {
+            self.gone = Some(old);
+            self.lost = true;
+        }
+    }
+}
+
 /// Reading a partition again from its consumer's ack floor, when deliveries did not reach this
 /// replica: at a takeover (a new pin: the previous client received them), or when the consumer
 /// sequence of a delivery jumps (a connection lost with deliveries in flight, which the server
@@ -685,10 +695,8 @@ impl JetStreamSource {
                         if pin.is_some() && pin != pinned.pin {
                             // A pin held before is gone: its streams are given up (the loop tells
                             // the dispatcher first) before the takeover read rebuilds them.
-                            if let Some(old) = pinned.pin.replace(pin.unwrap_or_default()) {
-                                pinned.gone = Some(old);
-                                pinned.lost = true;
-                            }
+                            pinned.lose();
+                            pinned.pin = pin;
                             new_pin = true;
                         }
                     }
@@ -766,8 +774,7 @@ impl JetStreamSource {
                     subject = %self.recovery.subject,
                     "the partition's pin has moved to another replica; giving up its open streams here"
                 );
-                pinned.gone = pinned.pin.take();
-                pinned.lost = true;
+                pinned.lose();
                 return;
             }
         }
@@ -833,10 +840,7 @@ impl JetStreamSource {
                     self.messages = Some(messages);
                     if let Some(pinned) = self.pinned.as_mut() {
                         // The old stream's pin is not this one's.
-                        if let Some(old) = pinned.pin.take() {
-                            pinned.gone = Some(old);
-                            pinned.lost = true;
-                        }
+                        pinned.lose();
                     }
                     // Deliveries in flight to the old pull stream are lost with it.
                     self.check.suspect = true;
@@ -1090,7 +1094,7 @@ impl Dispatcher {
         let given_up: GivenUp = Arc::new(move |message_id| partition_of(&escape_token(message_id), count) == partition);
         match &mut self.route {
             Route::Own(shard) => {
-                shard.abandon(|message_id| given_up(message_id));
+                shard.abandon(&*given_up);
                 shard.report();
             }
             Route::Shards(shards) => {

@@ -419,7 +419,7 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
                             shard.apply(&event.attach(&payload), envelope, now).await;
                         }
                         Work::Abandon(given_up) => {
-                            shard.abandon(|message_id| given_up(message_id));
+                            shard.abandon(&*given_up);
                         }
                     }
                 }
