@@ -363,9 +363,9 @@ struct Rebuild {
     /// The delivery that revealed the loss, handed on after the rebuilt messages; `None` when
     /// asking the consumer did (see [`LossCheck`]).
     revealed: Option<Envelope>,
-    /// Messages read at or below this stream sequence were processed before (here, or by the
-    /// previous owner at a takeover) and count as redeliveries; those above, lost on the way
-    /// here, are processed as first deliveries (a late event among them is dead-lettered).
+    /// Messages read at or below this stream sequence were processed here before and count as
+    /// redeliveries; those above (lost on the way here, or delivered to the previous owner at a
+    /// takeover) are processed as first deliveries: a late event among them is dead-lettered.
     handled_through: u64,
 }
 
@@ -713,9 +713,11 @@ impl JetStreamSource {
                             "deliveries did not reach this replica (lost with a connection); reading the partition again from the ack floor"
                         );
                     }
-                    // At a takeover, what the previous owner processed is unknown: everything read
-                    // counts as processed before. After a gap, what this replica processed itself.
-                    let handled_through = if new_pin { u64::MAX } else { self.recovery.seen_through };
+                    // Only what this replica processed itself counts as processed before: at a
+                    // takeover too (what the previous owner processed is unknown), so that a late
+                    // event it never got to is dead-lettered rather than acknowledged. One it had
+                    // dead-lettered already is published again under the same `Nats-Msg-Id`.
+                    let handled_through = self.recovery.seen_through;
                     self.recovery.loss = Some(Loss { revealed: Some(envelope), handled_through });
                 }
                 Some(Err(e)) => {

@@ -59,6 +59,9 @@ pub struct TableStats {
     pub late_events: u64,
     /// Streams discarded after processing one of their events failed ([`StreamTable::discard`]).
     pub failed: u64,
+    /// Streams forgotten without closing them, for another replica to rebuild
+    /// ([`StreamTable::abandon_all`], [`StreamTable::abandon_where`]).
+    pub handed_over: u64,
     /// Typed conversions of completed blocks that failed.
     pub typed: EncoderStats,
 }
@@ -323,6 +326,7 @@ impl StreamTable {
     pub fn abandon_all(&mut self) -> usize {
         let open = self.streams.len();
         self.streams.clear();
+        self.stats.handed_over += open as u64;
         open
     }
 
@@ -340,6 +344,7 @@ impl StreamTable {
         for id in &ids {
             self.streams.remove(id);
         }
+        self.stats.handed_over += ids.len() as u64;
         ids
     }
 
@@ -479,12 +484,18 @@ mod tests {
     }
 
     #[test]
-    fn abandoning_emits_nothing() {
+    fn abandoning_emits_nothing_and_counts_the_streams_handed_over() {
         let mut t = table(10);
         let mut out = Vec::new();
-        t.apply(&delta("a"), None, Instant::now(), &mut |p| out.push(p), &mut |_| {});
+        for id in ["a", "b", "c"] {
+            t.apply(&delta(id), None, Instant::now(), &mut |p| out.push(p), &mut |_| {});
+        }
         out.clear();
-        assert_eq!(t.abandon_all(), 1);
+        assert_eq!(t.abandon_where(|message_id| message_id == "b"), vec![Box::from("b")]);
+        assert_eq!((t.len(), t.stats().handed_over), (2, 1));
+        assert_eq!(t.abandon_all(), 2);
         assert!(out.is_empty() && t.is_empty() && t.take_closed().is_empty());
+        let stats = t.stats();
+        assert_eq!((stats.handed_over, stats.finished, stats.closed_at_shutdown), (3, 0, 0));
     }
 }

@@ -344,9 +344,11 @@ async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
     publish_inputs(&js, &events, 1..3).await;
 
     let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
+    let given_up = owner.metrics().snapshot().streams_closed["handed_over"];
     standby.shutdown().await.unwrap();
     owner.shutdown().await.unwrap();
     assert_eq!(got, expected, "replica 1's outputs of m, none of replica 0's after the takeover");
+    assert_eq!(given_up, 1, "replica 0 handed m over");
 }
 
 /// A pass-through event lost the same way is forwarded once: by the read of the partition that
@@ -419,6 +421,76 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
     let dead = crate::service::collect(&mut dead_letters, Duration::from_secs(2), |_| false).await;
     service.shutdown().await.unwrap();
     assert_eq!(dead.len(), 1, "the late event dead-lettered once: {dead:?}");
+    let reason = dead[0].headers.as_ref().and_then(|h| h.get("Structured-Sink-Error")).map(|v| v.to_string());
+    assert_eq!(reason.as_deref(), Some("stream_finished"));
+    assert!(dead[0].payload.windows(5).any(|w| w == b"late "), "{:?}", dead[0].payload);
+}
+
+/// `jetstream.pinned_client`: a late event that the previous owner never processed is
+/// dead-lettered by the replica that takes the partition over. Replica 0 applies `o`'s first
+/// delta (held unacknowledged, so the ack floor stays below everything after it) and `m` to its
+/// final; a late delta of `m` is then delivered into its connection, which discards it, and
+/// replica 0 is cut off until the pin moves. Replica 1's takeover read finds the late delta after
+/// `m`'s final. It acknowledged it without a dead letter, taking every message read at a takeover
+/// for one the previous owner had processed: the late event was in no dead letter. (Needs
+/// nats-server 2.11 or later; with an older one, start-up must refuse `pinned_client`.)
+#[tokio::test]
+async fn a_late_event_the_previous_owner_never_processed_is_dead_lettered_at_the_takeover() {
+    let (server, proxy, mut config) = proxied().await;
+    if server.version() < (2, 11, 0) {
+        crate::scale::assert_pinned_client_refused(&server).await;
+        return;
+    }
+    config.jetstream.pinned_client = true;
+    config.jetstream.pinned_ttl_ms = 2_000;
+    config.partitions.replica_count = 2;
+    let mut standby = config.clone();
+    standby.nats.servers = vec![server.url()];
+    standby.partitions.replica_index = 1;
+    let owner = RunningService::start(config).await.unwrap();
+    let (client, js, mut out) = downstream(&server.url()).await;
+    let mut dead_letters = client.subscribe("chat.dlq").await.unwrap();
+    client.flush().await.unwrap();
+    let partial = |id: &str, delta: &str| {
+        (id.to_owned(), json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
+    };
+    let events = [
+        partial("o", "x "),
+        partial("m", "A "),
+        ("m".to_owned(), json!({"type": "final", "meta": {"message_id": "m"}}).to_string()),
+        partial("m", "late "),
+        partial("n", "B "),
+    ];
+    publish_inputs(&js, &events, 0..3).await;
+    assert_eq!(stored(&mut out, 3, Duration::from_secs(30)).await, 3, "o's delta, m's delta and final");
+    let standby = RunningService::start(standby).await.unwrap();
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let pinned = crate::scale::pins(&input, 1).await[0].clone();
+    assert!(pinned.is_some(), "replica 0 holds the pin");
+
+    // The late delta goes into replica 0's connection and no further; then replica 0 is cut off.
+    let mut consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+    proxy.discard_server_bytes();
+    publish_inputs(&js, &events, 3..4).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while consumer.info().await.unwrap().delivered.stream_sequence < 4 {
+        assert!(Instant::now() < deadline, "the late delta delivered into replica 0's connection");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.cut_off(true);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while crate::scale::pins(&input, 1).await[0] == pinned {
+        assert!(Instant::now() < deadline, "replica 0's pin lapsed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Replica 1's first delivery, under its new pin, starts the takeover read.
+    publish_inputs(&js, &events, 4..5).await;
+    assert_eq!(stored(&mut out, 4, Duration::from_secs(60)).await, 4, "n's delta, from replica 1");
+    let dead = crate::service::collect(&mut dead_letters, Duration::from_secs(2), |_| false).await;
+    proxy.cut_off(false);
+    standby.shutdown().await.unwrap();
+    owner.shutdown().await.unwrap();
+    assert_eq!(dead.len(), 1, "the late event dead-lettered once, by replica 1: {dead:?}");
     let reason = dead[0].headers.as_ref().and_then(|h| h.get("Structured-Sink-Error")).map(|v| v.to_string());
     assert_eq!(reason.as_deref(), Some("stream_finished"));
     assert!(dead[0].payload.windows(5).any(|w| w == b"late "), "{:?}", dead[0].payload);

@@ -406,6 +406,53 @@ async fn jetstream_server_restart(partitions: u32, shards: usize) {
     assert_eq!(group_by_seq(&got), expected);
 }
 
+/// A rolling update: a JetStream replica stopped gracefully leaves its open streams to the next
+/// replica, without `shutdown` finals and with their input unacknowledged (counted as
+/// `handed_over`); the next replica rebuilds them from their input and finishes them. Its
+/// republished outputs carry the same `Nats-Msg-Id`s, so the downstream stream stores each once.
+#[tokio::test]
+async fn a_graceful_shutdown_hands_the_open_streams_over_to_the_next_replica() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let config = jetstream_config(&server.url());
+    let service = RunningService::start(config.clone()).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let events = conversation(20, 6);
+    let expected = replayed(&test_config(&server.url()), &events);
+    let total: usize = expected.values().map(Vec::len).sum();
+    // Three deltas of each stream (the third one a block); every stream stays open.
+    let half = 3 * 20;
+    publish_inputs(&js, &events, 0..half).await;
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let input = &input;
+    let delivered = settle(
+        move || async move {
+            let (mut pending, mut undelivered) = (0, 0);
+            for partition in 0..8 {
+                let (_, p, u) = consumer_state(input, partition).await;
+                (pending, undelivered) = (pending + p, undelivered + u);
+            }
+            (pending, undelivered)
+        },
+        |&state| state == (20, 0),
+    )
+    .await;
+    assert_eq!(delivered, (20, 0), "all delivered; each open stream holds its first event");
+    let metrics = service.metrics().clone();
+    service.shutdown().await.unwrap();
+    let stopped = metrics.snapshot();
+    assert_eq!(stopped.streams_closed["handed_over"], 20);
+    assert_eq!(stopped.streams_closed_total(), 20, "no stream closed otherwise: {:?}", stopped.streams_closed);
+
+    let next = RunningService::start(config).await.unwrap();
+    publish_inputs(&js, &events, half..events.len()).await;
+    let got = read_all(&mut out, total).await;
+    let metrics = next.metrics().clone();
+    next.shutdown().await.unwrap();
+    assert_eq!(metrics.snapshot().streams_closed["finished"], 20);
+    assert_eq!(got.len(), total, "every output once after deduplication");
+    assert_eq!(group(&got), expected);
+}
+
 /// The scenario of a node loss that used to lose outputs: the node that leads the downstream R3
 /// stream stops mid-run. Until the stream has a new leader, nothing listens on its subjects and
 /// every output publish is answered "no responders", which the service took for "no stream
