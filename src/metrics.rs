@@ -170,8 +170,9 @@ label_enum! {
         Shutdown => "shutdown",
         /// Discarded after processing one of its events failed.
         Failed => "failed",
-        /// Left without outputs and unacknowledged for another replica to rebuild from its input
-        /// (JetStream): at shutdown, or when the partition's pin moved to another replica.
+        /// Left without outputs and unacknowledged (JetStream), to be rebuilt from its input by
+        /// whichever replica consumes the partition next, possibly this one: at shutdown, or
+        /// when the partition's pin moved.
         HandedOver => "handed_over",
     }
 }

@@ -431,8 +431,9 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
 /// delta (held unacknowledged, so the ack floor stays below everything after it) and `m` to its
 /// final; a late delta of `m` is then delivered into its connection, which discards it, and
 /// replica 0 is cut off until the pin moves. Replica 1's takeover read finds the late delta after
-/// `m`'s final. It acknowledged it without a dead letter, taking every message read at a takeover
-/// for one the previous owner had processed: the late event was in no dead letter. (Needs
+/// `m`'s final. Before the fix it acknowledged it without a dead letter, taking every message
+/// read at a takeover for one the previous owner had processed: the late event was in no dead
+/// letter. (Needs
 /// nats-server 2.11 or later; with an older one, start-up must refuse `pinned_client`.)
 #[tokio::test]
 async fn a_late_event_the_previous_owner_never_processed_is_dead_lettered_at_the_takeover() {
