@@ -64,7 +64,7 @@ use structured_sink::bus::{self, round_trip, ConnectionEvent, NatsConfig};
 use structured_sink::codec::inbound::decode;
 use structured_sink::config::Config;
 use structured_sink::service::RunningService;
-use structured_sink::shard::table::{StreamTable, TableLimits};
+use structured_sink::shard::table::{InputPosition, StreamTable, TableLimits};
 
 /// The same global allocator as the `structured-sink` binary, for the service and the relay alike.
 #[global_allocator]
@@ -326,7 +326,7 @@ fn build_workload(args: &Args, config: &Config) -> Result<Workload> {
         let mut bad = None;
         table.apply(
             &event,
-            None,
+            InputPosition::default(),
             now,
             &mut |p| {
                 let seq: u64 = p.msg_id.rsplit_once(':').and_then(|(_, n)| n.parse().ok()).unwrap_or(0);

@@ -32,7 +32,7 @@ use structured_sink::codec::inbound::{decode, InboundEvent};
 use structured_sink::codec::outbound::{OutputEncoder, Publication};
 use structured_sink::config::Config;
 use structured_sink::pipeline::Pipeline;
-use structured_sink::shard::table::{Disposition, StreamTable, TableLimits};
+use structured_sink::shard::table::{Disposition, InputPosition, StreamTable, TableLimits};
 
 mod workload;
 use workload::stream_events;
@@ -91,7 +91,7 @@ fn run_full(proc_: &Processing, table: &mut StreamTable, events: &[Vec<u8>]) -> 
     let mut outputs = Vec::new();
     for payload in events {
         let event = decode(payload, proc_.max_event_bytes).expect("valid event").into_owned();
-        let d = table.apply(&event, None, now, &mut |p| outputs.push(p), &mut |_| {});
+        let d = table.apply(&event, InputPosition::default(), now, &mut |p| outputs.push(p), &mut |_| {});
         debug_assert_eq!(d, Disposition::Applied);
         for p in outputs.drain(..) {
             tally.count(p);
@@ -106,7 +106,7 @@ fn run_apply(table: &mut StreamTable, events: &[InboundEvent<'static>]) -> Tally
     let mut tally = Tally::default();
     let mut outputs = Vec::new();
     for event in events {
-        table.apply(event, None, now, &mut |p| outputs.push(p), &mut |_| {});
+        table.apply(event, InputPosition::default(), now, &mut |p| outputs.push(p), &mut |_| {});
         for p in outputs.drain(..) {
             tally.count(p);
         }
@@ -259,7 +259,7 @@ fn bench_pipeline(c: &mut Criterion) {
 fn run_apply_collect(table: &mut StreamTable, events: &[InboundEvent<'static>], out: &mut Vec<Publication>) {
     let now = Instant::now();
     for event in events {
-        table.apply(event, None, now, &mut |p| out.push(p), &mut |_| {});
+        table.apply(event, InputPosition::default(), now, &mut |p| out.push(p), &mut |_| {});
     }
 }
 

@@ -21,7 +21,7 @@ use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 use crate::codec::inbound::decode;
 use crate::codec::outbound::{Publication, GEPPETTO_EVENT_TYPE};
 use crate::config::Config;
-use crate::shard::table::{Disposition, StreamTable, TableLimits};
+use crate::shard::table::{Disposition, InputPosition, StreamTable, TableLimits};
 #[cfg(doc)]
 use crate::typed::SchemaRegistry;
 
@@ -76,7 +76,7 @@ pub fn replay(
                 continue;
             }
         };
-        match table.apply(&event, None, now, &mut |p| published.push(p), &mut |_| {}) {
+        match table.apply(&event, InputPosition::default(), now, &mut |p| published.push(p), &mut |_| {}) {
             Disposition::Applied | Disposition::Duplicate => {}
             Disposition::PassThrough if !config.input.pass_through_subject.is_empty() => {
                 // The service forwards the bytes unchanged; serde_json refuses a few that the event

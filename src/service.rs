@@ -35,7 +35,7 @@ use crate::metrics::{
     BlockFailure, CloseReason, ConnectionEventKind, DeadLetterReason, DropReason, Metrics, OutputKind,
 };
 use crate::pipeline::PipelineStats;
-use crate::shard::table::{StreamTable, TableStats};
+use crate::shard::table::{InputPosition, StreamTable, TableStats};
 use crate::shard::worker::{Shard, ShardSet, ShardSettings, ShardSink, Standing};
 use crate::typed::SchemaRegistry;
 
@@ -115,6 +115,10 @@ pub struct Envelope {
     ack: Option<Subject>,
     /// JetStream: the stream sequence of the message.
     sequence: Option<u64>,
+    /// JetStream: the partition whose consumer delivered it, or whose stream read a recovery
+    /// took it from (0 when consumers are not per partition). Open streams keep it, so that a
+    /// partition given up gives up exactly the streams its consumer fed.
+    partition: u32,
     /// JetStream: delivered before (a redelivery).
     redelivered: bool,
     /// JetStream: a delivery of a message that a recovery has read from the stream and processed
@@ -896,8 +900,8 @@ impl ShardSink for NatsSink {
         self.dead_letter_with_detail(envelope, reason, detail).await;
     }
 
-    fn sequence(&self, envelope: &Envelope) -> Option<u64> {
-        envelope.sequence
+    fn position(&self, envelope: &Envelope) -> InputPosition {
+        InputPosition { partition: envelope.partition, sequence: envelope.sequence }
     }
 
     async fn applied(&mut self, stream_id: &str, envelope: Envelope, standing: Standing) {

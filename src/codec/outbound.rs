@@ -142,17 +142,6 @@ impl StreamHeader {
         &self.stream_id
     }
 
-    /// The stream's message id, decoded from the prepared reference: for the rare paths that
-    /// need it (a partition given up), so that open streams keep no second copy of it.
-    pub fn message_id(&self) -> String {
-        // The prepared bytes are field 1 of every output message, `FilteredText`'s included.
-        proto::FilteredText::decode(self.stream_field.clone())
-            .ok()
-            .and_then(|text| text.stream)
-            .map(|reference| reference.message_id)
-            .unwrap_or_default()
-    }
-
     /// Heap bytes held (for memory accounting).
     pub fn heap_bytes(&self) -> usize {
         self.stream_id.len() + self.stream_field.len()

@@ -38,7 +38,7 @@ use crate::codec::inbound::decode;
 use crate::codec::subject::{ack_position, escape_token, partition_of};
 use crate::config::{Config, PartitionMode};
 use crate::metrics::DropReason;
-use crate::shard::worker::{GivenUp, Shard, ShardEvent, ShardSet};
+use crate::shard::worker::{Shard, ShardEvent, ShardSet};
 
 /// Header marking the start-up probe of the partition mapping; such messages are skipped.
 pub const PROBE_HEADER: &str = "Structured-Sink-Probe";
@@ -323,6 +323,9 @@ impl Pinned {
 struct Recovery {
     stream: stream::Stream,
     subject: String,
+    /// The partition the source's consumer delivers (0 when its consumer is not a partition's),
+    /// given to every envelope it hands on (see [`Envelope::jetstream`]).
+    partition: u32,
     /// The consumer sequence of the latest delivery here. A replica's own consumer starts from
     /// what it had delivered when opened; a shared (pinned) one from `None`, until the first.
     last_delivery: Option<u64>,
@@ -472,21 +475,25 @@ async fn open_consumers(
         return open_pinned_consumers(client, config, ownership, &stream).await;
     }
     let mut sources = Vec::new();
-    let names: Vec<(String, String)> = match config.partitions.mode {
+    // (partition, consumer name, filter subject)
+    let names: Vec<(u32, String, String)> = match config.partitions.mode {
         PartitionMode::Subject => ownership
             .partitions()
             .into_iter()
             .zip(subjects)
-            .map(|(p, subject)| (format!("{}-p{p}", cfg.consumer_prefix), subject))
+            .map(|(p, subject)| (p, format!("{}-p{p}", cfg.consumer_prefix), subject))
             .collect(),
-        // Every replica reads everything in these modes, so each has its own consumer.
+        // Every replica reads everything in these modes, so each has its own consumer (and no
+        // consumer is a partition's).
         PartitionMode::None | PartitionMode::Filter => subjects
             .into_iter()
             .enumerate()
-            .map(|(i, subject)| (format!("{}-r{}-s{i}", cfg.consumer_prefix, config.partitions.replica_index), subject))
+            .map(|(i, subject)| {
+                (0, format!("{}-r{}-s{i}", cfg.consumer_prefix, config.partitions.replica_index), subject)
+            })
             .collect(),
     };
-    for (name, subject) in names {
+    for (partition, name, subject) in names {
         let start = restart_point(&stream, &name).await;
         let consumer_config = partition_consumer(cfg, &name, &subject, start);
         let consumer: jetstream::consumer::Consumer<pull::Config> =
@@ -502,7 +509,7 @@ async fn open_consumers(
         // The consumer is this replica's alone (and new, see `restart_point`): what it has
         // delivered so far is the baseline, so that even the first deliveries can be found lost.
         let delivered = consumer.cached_info().delivered.consumer_sequence;
-        let recovery = Recovery::new(&stream, &subject, Some(delivered));
+        let recovery = Recovery::new(&stream, &subject, partition, Some(delivered));
         let check = LossCheck::new(client);
         let source =
             JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None, check };
@@ -577,7 +584,7 @@ async fn open_pinned_consumers(
         let pinned = Pinned { partition, ttl, expires: ttl / 3, pin: None, gone: None, lost: false };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
         // Shared: what it delivered went to whichever replica held the pin.
-        let recovery = Recovery::new(stream, &subject, None);
+        let recovery = Recovery::new(stream, &subject, partition, None);
         let source = JetStreamSource {
             consumer,
             pull: Pull::of(cfg),
@@ -700,7 +707,7 @@ impl JetStreamSource {
                             new_pin = true;
                         }
                     }
-                    let (envelope, delivery) = Envelope::jetstream(message);
+                    let (envelope, delivery) = Envelope::jetstream(message, self.recovery.partition);
                     self.check.heard = envelope.received;
                     let missed = self.recovery.missed(delivery);
                     if !new_pin && !missed {
@@ -858,10 +865,11 @@ impl JetStreamSource {
 }
 
 impl Recovery {
-    fn new(stream: &stream::Stream, subject: &str, last_delivery: Option<u64>) -> Self {
+    fn new(stream: &stream::Stream, subject: &str, partition: u32, last_delivery: Option<u64>) -> Self {
         Recovery {
             stream: stream.clone(),
             subject: subject.to_owned(),
+            partition,
             last_delivery,
             seen_through: 0,
             rebuilt_through: 0,
@@ -925,7 +933,7 @@ impl Recovery {
                     if sequence == rebuild.through || pending == 0 {
                         rebuild.done = true;
                     }
-                    let (mut envelope, _) = Envelope::jetstream(message);
+                    let (mut envelope, _) = Envelope::jetstream(message, self.partition);
                     // Read, not delivered: its ack goes with the consumer's own redelivery later.
                     envelope.ack = None;
                     envelope.redelivered = sequence <= rebuild.handled_through;
@@ -1092,15 +1100,13 @@ impl Dispatcher {
     /// Gives up the open streams of `partition`, after the events already routed (see
     /// [`Pinned::lost`]).
     async fn give_up(&mut self, partition: u32) {
-        let count = self.ownership.count;
-        let given_up: GivenUp = Arc::new(move |message_id| partition_of(&escape_token(message_id), count) == partition);
         match &mut self.route {
             Route::Own(shard) => {
-                shard.abandon(&*given_up);
+                shard.abandon(partition);
                 shard.report();
             }
             Route::Shards(shards) => {
-                if let Err(e) = shards.abandon(given_up).await {
+                if let Err(e) = shards.abandon(partition).await {
                     self.readiness.set_shard_lost();
                     tracing::error!(error = %e, partition, "cannot give up the partition's streams: a shard has stopped; /healthz fails from now on");
                 }
@@ -1182,9 +1188,9 @@ async fn own_tick(route: &mut Route) -> Instant {
 }
 
 impl Envelope {
-    /// The envelope of a JetStream delivery, and the delivery's consumer sequence (0 when its ack
-    /// subject does not say).
-    fn jetstream(message: jetstream::Message) -> (Envelope, u64) {
+    /// The envelope of a JetStream delivery from `partition`'s consumer, and the delivery's
+    /// consumer sequence (0 when its ack subject does not say).
+    fn jetstream(message: jetstream::Message, partition: u32) -> (Envelope, u64) {
         // Moved, not cloned: the message's own handle on the reply subject would only be dropped.
         let mut message = message.message;
         let ack = message.reply.take();
@@ -1195,6 +1201,7 @@ impl Envelope {
         envelope.ack = ack;
         envelope.sequence = Some(sequence);
         envelope.redelivered = delivered > 1;
+        envelope.partition = partition;
         (envelope, delivery)
     }
 
@@ -1208,6 +1215,7 @@ impl Envelope {
             received: Instant::now(),
             ack: None,
             sequence: None,
+            partition: 0,
             redelivered: false,
             rebuilt: false,
         }

@@ -60,10 +60,29 @@ pub struct TableStats {
     /// Streams discarded after processing one of their events failed ([`StreamTable::discard`]).
     pub failed: u64,
     /// Streams forgotten without closing them, for another replica to rebuild
-    /// ([`StreamTable::abandon_all`], [`StreamTable::abandon_where`]).
+    /// ([`StreamTable::abandon_all`], [`StreamTable::abandon_partition`]).
     pub handed_over: u64,
     /// Typed conversions of completed blocks that failed.
     pub typed: EncoderStats,
+}
+
+/// Where an event sits in the input, as far as the table cares.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InputPosition {
+    /// The input partition it arrived from (0 when the input is not partitioned). Every event of
+    /// a stream arrives from the same one, so a stream keeps the partition of the event that
+    /// opened it, and giving a partition up ([`StreamTable::abandon_partition`]) finds exactly its
+    /// streams, whatever the mapping of message ids to partitions.
+    pub partition: u32,
+    /// The input sequence (JetStream stream sequence), when the input has one.
+    pub sequence: Option<u64>,
+}
+
+impl InputPosition {
+    /// Stream sequence `sequence` of partition 0.
+    pub fn at(sequence: u64) -> Self {
+        InputPosition { partition: 0, sequence: Some(sequence) }
+    }
 }
 
 struct OpenStream {
@@ -74,6 +93,8 @@ struct OpenStream {
     span: tracing::Span,
     /// The input sequence (JetStream stream sequence) of the last event applied; 0 if none.
     last_input: u64,
+    /// The input partition its events arrive from (see [`InputPosition::partition`]).
+    partition: u32,
 }
 
 /// One shard's streams.
@@ -168,12 +189,12 @@ impl StreamTable {
 
     /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
     /// event opens a stream, `opened` sees the stream's new span first (to set its parent).
-    /// `sequence` is the event's input sequence when the input has one (JetStream): an event whose
-    /// sequence is not above the last one its stream applied is a duplicate and is skipped.
+    /// `input` is where the event sits in the input: an event whose input sequence (JetStream) is
+    /// not above the last one its stream applied is a duplicate and is skipped.
     pub fn apply(
         &mut self,
         event: &InboundEvent<'_>,
-        sequence: Option<u64>,
+        input: InputPosition,
         now: Instant,
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
@@ -181,6 +202,7 @@ impl StreamTable {
         #[cfg(test)]
         let sink = &mut hooked(self.panic_on_output, sink);
         let stream_id = event.stream.stream_id.as_ref();
+        let sequence = input.sequence;
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
             EventAction::Delta(delta) => {
@@ -202,7 +224,7 @@ impl StreamTable {
                     self.stats.late_events += 1;
                     return Disposition::Late;
                 }
-                self.ensure_open(event, now, sink, opened);
+                self.ensure_open(event, input.partition, now, sink, opened);
                 #[cfg(test)]
                 inject_failure(self.panic_on_delta, delta);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
@@ -217,7 +239,7 @@ impl StreamTable {
                 Disposition::Duplicate
             }
             EventAction::Finish { text, reason, error } => {
-                self.ensure_open(event, now, sink, opened);
+                self.ensure_open(event, input.partition, now, sink, opened);
                 let open = self.streams.remove(stream_id).expect("ensure_open opened it");
                 let ending = Ending { reason, error: error.as_deref() };
                 self.close(stream_id.into(), open, text.as_deref(), ending, sink);
@@ -330,17 +352,13 @@ impl StreamTable {
         open
     }
 
-    /// Forgets, without closing them, the open streams whose message id `given_up` picks (a
-    /// partition that another replica now consumes, and rebuilds those streams from their
-    /// unacknowledged input). They are not remembered as finished: if the partition comes back,
-    /// their events are not late. Returns their stream ids.
-    pub fn abandon_where(&mut self, mut given_up: impl FnMut(&str) -> bool) -> Vec<Box<str>> {
-        let ids: Vec<Box<str>> = self
-            .streams
-            .iter()
-            .filter(|(_, open)| given_up(&open.header.message_id()))
-            .map(|(id, _)| id.clone())
-            .collect();
+    /// Forgets, without closing them, the open streams of input partition `partition` (one that
+    /// another replica now consumes, and rebuilds those streams from their unacknowledged input).
+    /// They are not remembered as finished: if the partition comes back, their events are not
+    /// late. Returns their stream ids.
+    pub fn abandon_partition(&mut self, partition: u32) -> Vec<Box<str>> {
+        let ids: Vec<Box<str>> =
+            self.streams.iter().filter(|(_, open)| open.partition == partition).map(|(id, _)| id.clone()).collect();
         for id in &ids {
             self.streams.remove(id);
         }
@@ -352,6 +370,7 @@ impl StreamTable {
     fn ensure_open(
         &mut self,
         event: &InboundEvent<'_>,
+        partition: u32,
         now: Instant,
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
@@ -377,7 +396,7 @@ impl StreamTable {
         );
         opened(&span);
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
-        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span, last_input: 0 };
+        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span, last_input: 0, partition };
         self.streams.insert(stream_id.into(), open);
     }
 
@@ -409,6 +428,9 @@ mod tests {
     use crate::pipeline::{PipelineLimits, TagKind, TagSpec};
     use std::time::Duration;
 
+    /// An input without sequences or partitions (core NATS).
+    const UNSEQUENCED: InputPosition = InputPosition { partition: 0, sequence: None };
+
     fn table(max_streams: usize) -> StreamTable {
         let pipeline =
             Pipeline::new(vec![TagSpec::new("core:x:v1", TagKind::Block)], PipelineLimits::default()).unwrap();
@@ -434,12 +456,12 @@ mod tests {
         let mut t = table(2);
         let start = Instant::now();
         let mut out = Vec::new();
-        t.apply(&delta("a"), None, start, &mut |p| out.push(p), &mut |_| {});
-        t.apply(&delta("b"), None, start + Duration::from_secs(1), &mut |p| out.push(p), &mut |_| {});
+        t.apply(&delta("a"), UNSEQUENCED, start, &mut |p| out.push(p), &mut |_| {});
+        t.apply(&delta("b"), UNSEQUENCED, start + Duration::from_secs(1), &mut |p| out.push(p), &mut |_| {});
         // `a` is used again, so `b` is now the longest idle.
-        t.apply(&delta("a"), None, start + Duration::from_secs(2), &mut |p| out.push(p), &mut |_| {});
+        t.apply(&delta("a"), UNSEQUENCED, start + Duration::from_secs(2), &mut |p| out.push(p), &mut |_| {});
         out.clear();
-        t.apply(&delta("c"), None, start + Duration::from_secs(3), &mut |p| out.push(p), &mut |_| {});
+        t.apply(&delta("c"), UNSEQUENCED, start + Duration::from_secs(3), &mut |p| out.push(p), &mut |_| {});
         assert_eq!(last_finish(&out[..1]), "b:2 evicted");
         assert_eq!(t.len(), 2);
         assert_eq!(t.stats().evicted, 1);
@@ -452,7 +474,7 @@ mod tests {
         let start = Instant::now();
         let mut out = Vec::new();
         for (i, id) in ["a", "b", "c"].into_iter().enumerate() {
-            t.apply(&delta(id), None, start + Duration::from_secs(i as u64), &mut |p| out.push(p), &mut |_| {});
+            t.apply(&delta(id), UNSEQUENCED, start + Duration::from_secs(i as u64), &mut |p| out.push(p), &mut |_| {});
         }
         out.clear();
         assert_eq!(t.expire(start + Duration::from_secs(11), &mut |p| out.push(p)), 2);
@@ -466,32 +488,48 @@ mod tests {
         let mut t = table(10);
         let now = Instant::now();
         let mut out = Vec::new();
-        assert_eq!(t.apply(&delta("a"), Some(5), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
-        assert_eq!(t.apply(&delta("a"), Some(5), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Duplicate);
-        assert_eq!(t.apply(&delta("a"), Some(3), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Duplicate);
-        assert_eq!(t.apply(&delta("a"), Some(9), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        assert_eq!(
+            t.apply(&delta("a"), InputPosition::at(5), now, &mut |p| out.push(p), &mut |_| {}),
+            Disposition::Applied
+        );
+        assert_eq!(
+            t.apply(&delta("a"), InputPosition::at(5), now, &mut |p| out.push(p), &mut |_| {}),
+            Disposition::Duplicate
+        );
+        assert_eq!(
+            t.apply(&delta("a"), InputPosition::at(3), now, &mut |p| out.push(p), &mut |_| {}),
+            Disposition::Duplicate
+        );
+        assert_eq!(
+            t.apply(&delta("a"), InputPosition::at(9), now, &mut |p| out.push(p), &mut |_| {}),
+            Disposition::Applied
+        );
         let fin = decode(br#"{"type":"final","meta":{"message_id":"a"}}"#, 1 << 20).unwrap();
-        assert_eq!(t.apply(&fin, Some(10), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
-        assert_eq!(t.apply(&delta("a"), Some(11), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Late);
+        assert_eq!(t.apply(&fin, InputPosition::at(10), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        assert_eq!(
+            t.apply(&delta("a"), InputPosition::at(11), now, &mut |p| out.push(p), &mut |_| {}),
+            Disposition::Late
+        );
         assert_eq!(t.stats().late_events, 1);
         // The finished memory is bounded: the oldest ids are forgotten.
         for id in ["b", "c"] {
             let json = format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#);
             let fin = decode(json.as_bytes(), 1 << 20).unwrap();
-            t.apply(&fin, None, now, &mut |p| out.push(p), &mut |_| {});
+            t.apply(&fin, UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         }
-        assert_eq!(t.apply(&delta("a"), None, now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
+        assert_eq!(t.apply(&delta("a"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
     }
 
     #[test]
     fn abandoning_emits_nothing_and_counts_the_streams_handed_over() {
         let mut t = table(10);
         let mut out = Vec::new();
-        for id in ["a", "b", "c"] {
-            t.apply(&delta(id), None, Instant::now(), &mut |p| out.push(p), &mut |_| {});
+        for (id, partition) in [("a", 0), ("b", 1), ("c", 0)] {
+            let input = InputPosition { partition, sequence: None };
+            t.apply(&delta(id), input, Instant::now(), &mut |p| out.push(p), &mut |_| {});
         }
         out.clear();
-        assert_eq!(t.abandon_where(|message_id| message_id == "b"), vec![Box::from("b")]);
+        assert_eq!(t.abandon_partition(1), vec![Box::from("b")]);
         assert_eq!((t.len(), t.stats().handed_over), (2, 1));
         assert_eq!(t.abandon_all(), 2);
         assert!(out.is_empty() && t.is_empty() && t.take_closed().is_empty());

@@ -24,7 +24,6 @@
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -32,7 +31,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{Interval, MissedTickBehavior};
 
-use super::table::{Disposition, StreamTable, TableStats};
+use super::table::{Disposition, InputPosition, StreamTable, TableStats};
 use crate::codec::inbound::{DetachedEvent, InboundEvent};
 use crate::codec::outbound::Publication;
 use crate::pipeline::PipelineStats;
@@ -48,8 +47,9 @@ pub trait ShardSink: Send + 'static {
     fn pass_through(&mut self, envelope: Self::Envelope) -> impl Future<Output = ()> + Send;
     /// Sends an event that cannot be applied to the dead-letter subject with a reason code.
     fn dead_letter(&mut self, envelope: Self::Envelope, reason: &'static str) -> impl Future<Output = ()> + Send;
-    /// The event's input sequence, when its input has one (for duplicate detection).
-    fn sequence(&self, envelope: &Self::Envelope) -> Option<u64>;
+    /// Where the event sits in the input: its partition (for giving a partition up) and its input
+    /// sequence, when the input has one (for duplicate detection).
+    fn position(&self, envelope: &Self::Envelope) -> InputPosition;
     /// The event was applied to `stream_id` (or was a duplicate of one applied): its outputs are
     /// published. The sink may hold the envelope (to acknowledge it when the stream ends);
     /// `standing` says whether it can be the lowest input of its stream.
@@ -118,7 +118,7 @@ impl<S: ShardSink> Shard<S> {
     /// ended.
     pub async fn apply(&mut self, event: &InboundEvent<'_>, envelope: S::Envelope, now: Instant) {
         let Shard { index, table, sink, outputs, .. } = self;
-        let sequence = sink.sequence(&envelope);
+        let input = sink.position(&envelope);
         let mut opening = false;
         let opened = &mut |span: &tracing::Span| {
             opening = true;
@@ -134,7 +134,7 @@ impl<S: ShardSink> Shard<S> {
         let mut own_close_failed = false;
         let applied = loop {
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                table.apply(event, sequence, now, &mut |p| outputs.push(p), opened)
+                table.apply(event, input, now, &mut |p| outputs.push(p), opened)
             }));
             if attempt.is_err() {
                 match table.recover_failed_close() {
@@ -197,9 +197,9 @@ impl<S: ShardSink> Shard<S> {
     }
 
     /// Gives up the open streams whose message id `given_up` picks, without outputs or acks (see
-    /// [`StreamTable::abandon_where`]); returns how many.
-    pub fn abandon(&mut self, given_up: impl FnMut(&str) -> bool) -> usize {
-        let ids = self.table.abandon_where(given_up);
+    /// [`StreamTable::abandon_partition`]); returns how many.
+    pub fn abandon(&mut self, partition: u32) -> usize {
+        let ids = self.table.abandon_partition(partition);
         for id in &ids {
             self.sink.stream_abandoned(id);
         }
@@ -268,14 +268,11 @@ impl<E> ShardEvent<E> {
     }
 }
 
-/// Which open streams to give up, by message id (see [`Shard::abandon`]).
-pub type GivenUp = Arc<dyn Fn(&str) -> bool + Send + Sync>;
-
 /// What a worker's inbox carries, in the order the worker must handle it.
 enum Work<E> {
     Event(ShardEvent<E>),
-    /// Give up the open streams this picks, after the events queued before.
-    Abandon(GivenUp),
+    /// Give up the open streams of this input partition, after the events queued before.
+    Abandon(u32),
 }
 
 /// Events a worker takes from its inbox at once.
@@ -346,11 +343,11 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
         }
     }
 
-    /// Tells every worker to give up the open streams `given_up` picks, once it has applied the
-    /// events queued before; waits while an inbox is full.
-    pub async fn abandon(&self, given_up: GivenUp) -> Result<(), ShardStopped> {
+    /// Tells every worker to give up the open streams of input partition `partition`, once it has
+    /// applied the events queued before; waits while an inbox is full.
+    pub async fn abandon(&self, partition: u32) -> Result<(), ShardStopped> {
         for (shard, inbox) in self.inboxes.iter().enumerate() {
-            inbox.send(Work::Abandon(given_up.clone())).await.map_err(|_| ShardStopped(shard))?;
+            inbox.send(Work::Abandon(partition)).await.map_err(|_| ShardStopped(shard))?;
         }
         Ok(())
     }
@@ -418,8 +415,8 @@ async fn run_worker<S: ShardSink>(mut shard: Shard<S>, mut inbox: mpsc::Receiver
                         Work::Event(ShardEvent { event, payload, envelope }) => {
                             shard.apply(&event.attach(&payload), envelope, now).await;
                         }
-                        Work::Abandon(given_up) => {
-                            shard.abandon(&*given_up);
+                        Work::Abandon(partition) => {
+                            shard.abandon(partition);
                         }
                     }
                 }
@@ -477,9 +474,9 @@ mod tests {
             self.0.lock().unwrap().push(format!("dead {envelope} {reason}"));
         }
         fn stream_opened(&mut self, _: &tracing::Span, _: &u32) {}
-        /// The envelope's number is its input sequence.
-        fn sequence(&self, envelope: &u32) -> Option<u64> {
-            Some(u64::from(*envelope))
+        /// The envelope's number is its input sequence, plus 1,000 times its input partition.
+        fn position(&self, envelope: &u32) -> InputPosition {
+            InputPosition { partition: *envelope / 1000, sequence: Some(u64::from(*envelope % 1000)) }
         }
         async fn applied(&mut self, id: &str, envelope: u32, standing: Standing) {
             self.0.lock().unwrap().push(format!("applied {id} {envelope} {standing:?}"));
@@ -556,32 +553,34 @@ mod tests {
         assert_eq!(log.iter().filter(|l| *l == "flush").count(), 3, "every worker flushes");
     }
 
-    /// Giving up a message's stream publishes nothing for it and releases nothing: it is forgotten
-    /// after the events queued before, and a later event of it opens it afresh (not late).
+    /// Giving up a partition's streams publishes nothing for them and releases nothing: they are
+    /// forgotten after the events queued before, and a later event of one opens it afresh (not
+    /// late). Streams of other partitions are untouched.
     #[tokio::test]
     async fn given_up_streams_leave_without_outputs_or_acks_and_may_open_again() {
         let log = Recorder::default();
         let set = ShardSet::start(settings(2), |_| (table(Duration::from_secs(60)), log.clone()));
-        set.route(delta("gone", "a ", 1)).await.unwrap();
+        // "gone" arrives from partition 1 (envelopes 1001...), "kept" from partition 0.
+        set.route(delta("gone", "a ", 1001)).await.unwrap();
         set.route(delta("kept", "b ", 2)).await.unwrap();
-        set.route(delta("gone", "c ", 3)).await.unwrap();
-        set.abandon(Arc::new(|message_id: &str| message_id == "gone")).await.unwrap();
-        set.route(delta("gone", "d ", 4)).await.unwrap();
-        set.route(fin("gone", 5)).await.unwrap();
+        set.route(delta("gone", "c ", 1003)).await.unwrap();
+        set.abandon(1).await.unwrap();
+        set.route(delta("gone", "d ", 1004)).await.unwrap();
+        set.route(fin("gone", 1005)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
         let gone: Vec<&String> = log.iter().filter(|l| l.contains("gone")).collect();
         let expected = [
-            "chat.filtered gone:1 Some(1)",
-            "applied gone 1 Opened",
-            "chat.filtered gone:2 Some(3)",
-            "applied gone 3 Following",
+            "chat.filtered gone:1 Some(1001)",
+            "applied gone 1001 Opened",
+            "chat.filtered gone:2 Some(1003)",
+            "applied gone 1003 Following",
             "abandoned gone",
             // Opened again: numbered from 1, as the next owner's rebuild would number it.
-            "chat.filtered gone:1 Some(4)",
-            "applied gone 4 Opened",
-            "chat.filtered gone:2 Some(5)",
-            "applied gone 5 Following",
+            "chat.filtered gone:1 Some(1004)",
+            "applied gone 1004 Opened",
+            "chat.filtered gone:2 Some(1005)",
+            "applied gone 1005 Following",
             "closed gone",
         ];
         assert_eq!(gone, expected, "{log:#?}");

@@ -18,6 +18,7 @@ use async_nats::jetstream;
 use prost::Message as _;
 use serde_json::json;
 use structured_sink::codec::proto;
+use structured_sink::codec::subject::partition_of;
 use structured_sink::config::Config;
 use structured_sink::service::RunningService;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -151,9 +152,15 @@ async fn pass(
 /// A server with one partition, a proxy in front of it, and the configuration of a JetStream
 /// replica with one shard worker that connects through the proxy (and reconnects quickly).
 async fn proxied() -> (NatsServer, Proxy, Config) {
-    let server = NatsServer::builder().config(mapping(1)).start();
+    proxied_over(1).await
+}
+
+/// The same with `partitions` partitions.
+async fn proxied_over(partitions: u32) -> (NatsServer, Proxy, Config) {
+    let server = NatsServer::builder().config(mapping(partitions)).start();
     let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
     let mut config = one_partition_config(&proxy.url);
+    config.partitions.count = partitions;
     config.shards.count = 1;
     config.nats.reconnect_delay_max_ms = 200;
     (server, proxy, config)
@@ -193,10 +200,15 @@ async fn lose_delivery(proxy: &Proxy, js: &jetstream::Context, events: &[(String
 
 /// The events of stream `m`: a `partial` per delta, then a `final`.
 fn stream_m(deltas: &[&str]) -> Vec<(String, String)> {
-    let event = |e: serde_json::Value| ("m".to_owned(), e.to_string());
+    stream_of("m", deltas)
+}
+
+/// The events of stream `id`: a `partial` per delta, then a `final`.
+fn stream_of(id: &str, deltas: &[&str]) -> Vec<(String, String)> {
+    let event = |e: serde_json::Value| (id.to_owned(), e.to_string());
     let partials =
-        deltas.iter().map(|delta| event(json!({"type": "partial", "meta": {"message_id": "m"}, "delta": delta})));
-    partials.chain([event(json!({"type": "final", "meta": {"message_id": "m"}}))]).collect()
+        deltas.iter().map(|delta| event(json!({"type": "partial", "meta": {"message_id": id}, "delta": delta})));
+    partials.chain([event(json!({"type": "final", "meta": {"message_id": id}}))]).collect()
 }
 
 /// What replay gives for `events`, and what `out` holds (deduplicated by `Nats-Msg-Id`) once it
@@ -289,7 +301,15 @@ async fn a_delivery_lost_with_the_connection_at_the_end_of_the_input_is_applied(
 /// `pinned_client`.)
 #[tokio::test]
 async fn a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams() {
-    lose_the_pin(|proxy, off| proxy.cut_off(off)).await;
+    lose_the_pin(1, |proxy, off| proxy.cut_off(off)).await;
+}
+
+/// The same with two partitions, replica 1 owning partition 1, where the stream is: the streams
+/// given up are those of the partition whose pin was lost, as its consumer delivered them (an
+/// event not tagged with its partition would look like partition 0's).
+#[tokio::test]
+async fn a_replica_that_lost_the_pin_of_its_partition_1_gives_up_that_partitions_streams() {
+    lose_the_pin(2, |proxy, off| proxy.cut_off(off)).await;
 }
 
 /// The same when the network only stalls: nothing goes either way for longer than
@@ -297,49 +317,58 @@ async fn a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams() {
 /// tells replica 0 anything: it must look at the pin after `pinned_ttl_ms` without a delivery.
 #[tokio::test]
 async fn a_replica_whose_pin_lapsed_without_a_reconnect_gives_up_its_open_streams() {
-    lose_the_pin(|proxy, off| proxy.hold(off)).await;
+    lose_the_pin(1, |proxy, off| proxy.hold(off)).await;
 }
 
-/// Replica 0 loses the pin of the one partition while `isolate(proxy, true)` keeps it from the
-/// server (see [`a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams`]).
-async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
-    let (server, proxy, mut config) = proxied().await;
+/// The replica owning the last of `partitions` partitions (replica 0 of the one partition,
+/// replica 1 of partition 1 of two) loses its pin while `isolate(proxy, true)` keeps it from the
+/// server (see [`a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams`]); the
+/// stream is in that partition.
+async fn lose_the_pin(partitions: u32, isolate: impl Fn(&Proxy, bool)) {
+    let (server, proxy, mut config) = proxied_over(partitions).await;
     if server.version() < (2, 11, 0) {
         crate::scale::assert_pinned_client_refused(&server).await;
         return;
     }
+    let partition = partitions - 1;
     config.jetstream.pinned_client = true;
     config.jetstream.pinned_ttl_ms = 2_000;
     config.partitions.replica_count = 2;
-    // Long enough for replica 0 to be back and find the pin gone before `m` would expire.
+    config.partitions.replica_index = partition;
+    // Long enough for the owner to be back and find the pin gone before `m` would expire.
     config.shards.idle_timeout_ms = 15_000;
     let mut standby = config.clone();
     standby.nats.servers = vec![server.url()];
-    standby.partitions.replica_index = 1;
+    standby.partitions.replica_index = 1 - partition;
     let owner = RunningService::start(config).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let events = stream_m(&["A ", "B "]);
+    let id = (0..)
+        .map(|i| format!("m{i}"))
+        .find(|id| partition_of(id, partitions) == partition)
+        .expect("some id is in every partition");
+    let events = stream_of(&id, &["A ", "B "]);
 
     publish_inputs(&js, &events, 0..1).await;
-    assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "\"A \" applied by replica 0");
+    assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "\"A \" applied by the owner");
     let applied = Instant::now();
-    // Only now: replica 0 holds the pin, whatever the timing of the standby's first pull.
+    // Only now: the owner holds the pin, whatever the timing of the standby's first pull.
     let standby = RunningService::start(standby).await.unwrap();
     let input = js.get_stream("CHAT_RAW").await.unwrap();
-    let pinned = crate::scale::pins(&input, 1).await[0].clone();
-    assert!(pinned.is_some(), "replica 0 holds the pin");
-    // Replica 0 may look at the consumer once after its first pull stream opens and the
+    let pin = |pins: Vec<Option<String>>| pins[partition as usize].clone();
+    let pinned = pin(crate::scale::pins(&input, partitions).await);
+    assert!(pinned.is_some(), "the owner holds the pin");
+    // The owner may look at the consumer once after its first pull stream opens and the
     // partition goes quiet (a second or two): let that pass, so that only what follows the
     // isolation can tell it the pin has moved.
     tokio::time::sleep(Duration::from_secs(3)).await;
     isolate(&proxy, true);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while crate::scale::pins(&input, 1).await[0] == pinned {
-        assert!(Instant::now() < deadline, "replica 0's pin lapsed");
+    while pin(crate::scale::pins(&input, partitions).await) == pinned {
+        assert!(Instant::now() < deadline, "the owner's pin lapsed");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     isolate(&proxy, false);
-    // Past the moment replica 0 would have expired `m` (the idle timeout and a tick of 1 s).
+    // Past the moment the owner would have expired the stream (the idle timeout and a tick of 1 s).
     tokio::time::sleep_until((applied + Duration::from_millis(15_000 + 3_000)).into()).await;
     publish_inputs(&js, &events, 1..3).await;
 
@@ -347,8 +376,8 @@ async fn lose_the_pin(isolate: impl Fn(&Proxy, bool)) {
     let given_up = owner.metrics().snapshot().streams_closed["handed_over"];
     standby.shutdown().await.unwrap();
     owner.shutdown().await.unwrap();
-    assert_eq!(got, expected, "replica 1's outputs of m, none of replica 0's after the takeover");
-    assert_eq!(given_up, 1, "replica 0 handed m over");
+    assert_eq!(got, expected, "the standby's outputs of {id}, none of the owner's after the takeover");
+    assert_eq!(given_up, 1, "the owner handed {id} over");
 }
 
 /// A pass-through event lost the same way is forwarded once: by the read of the partition that
