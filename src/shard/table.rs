@@ -69,18 +69,21 @@ pub struct TableStats {
 /// Where an event sits in the input, as far as the table cares.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InputPosition {
-    /// The input partition it arrived from (0 when the input is not partitioned). Every event of
-    /// a stream arrives from the same one, so a stream keeps the partition of the event that
-    /// opened it, and giving a partition up ([`StreamTable::abandon_partition`]) finds exactly its
-    /// streams, whatever the mapping of message ids to partitions.
+    /// The input partition it arrived from (0 when the input is not read per partition). A
+    /// stream keeps the partition of the event that opened it, so that giving a partition up
+    /// ([`StreamTable::abandon_partition`]) finds exactly its streams, whatever the mapping of
+    /// message ids to partitions. That assumes every event of a stream arrives from one
+    /// partition: true when its stream id is its message id (the partition key) or a segment
+    /// id that no other message id shares.
     pub partition: u32,
     /// The input sequence (JetStream stream sequence), when the input has one.
     pub sequence: Option<u64>,
 }
 
+#[cfg(test)]
 impl InputPosition {
     /// Stream sequence `sequence` of partition 0.
-    pub fn at(sequence: u64) -> Self {
+    fn at(sequence: u64) -> Self {
         InputPosition { partition: 0, sequence: Some(sequence) }
     }
 }

@@ -196,7 +196,7 @@ impl<S: ShardSink> Shard<S> {
         self.publish_unprompted().await;
     }
 
-    /// Gives up the open streams whose message id `given_up` picks, without outputs or acks (see
+    /// Gives up the open streams of input partition `partition`, without outputs or acks (see
     /// [`StreamTable::abandon_partition`]); returns how many.
     pub fn abandon(&mut self, partition: u32) -> usize {
         let ids = self.table.abandon_partition(partition);

@@ -325,6 +325,7 @@ async fn a_replica_whose_pin_lapsed_without_a_reconnect_gives_up_its_open_stream
 /// server (see [`a_replica_that_lost_its_pin_while_cut_off_gives_up_its_open_streams`]); the
 /// stream is in that partition.
 async fn lose_the_pin(partitions: u32, isolate: impl Fn(&Proxy, bool)) {
+    assert!((1..=2).contains(&partitions), "one replica per partition, two at most");
     let (server, proxy, mut config) = proxied_over(partitions).await;
     if server.version() < (2, 11, 0) {
         crate::scale::assert_pinned_client_refused(&server).await;
@@ -332,18 +333,22 @@ async fn lose_the_pin(partitions: u32, isolate: impl Fn(&Proxy, bool)) {
     }
     let partition = partitions - 1;
     config.jetstream.pinned_client = true;
+    // Both replicas stand by for that partition only: the owner must hold no pin of another one
+    // (with two partitions, it would otherwise pull partition 0 too, and could lose a pin there
+    // as well; giving partition 0 up would then hide an event tagged with the wrong partition).
+    config.jetstream.standby = vec![partition.to_string()];
     config.jetstream.pinned_ttl_ms = 2_000;
     config.partitions.replica_count = 2;
     config.partitions.replica_index = partition;
-    // Long enough for the owner to be back and find the pin gone before `m` would expire.
+    // Long enough for the owner to be back and find the pin gone before the stream would expire.
     config.shards.idle_timeout_ms = 15_000;
     let mut standby = config.clone();
     standby.nats.servers = vec![server.url()];
     standby.partitions.replica_index = 1 - partition;
     let owner = RunningService::start(config).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
-    let id = (0..)
-        .map(|i| format!("m{i}"))
+    let id = std::iter::once("m".to_owned())
+        .chain((0..).map(|i| format!("m{i}")))
         .find(|id| partition_of(id, partitions) == partition)
         .expect("some id is in every partition");
     let events = stream_of(&id, &["A ", "B "]);
