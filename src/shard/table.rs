@@ -491,22 +491,11 @@ mod tests {
         let mut t = table(10);
         let now = Instant::now();
         let mut out = Vec::new();
-        assert_eq!(
-            t.apply(&delta("a"), InputPosition::at(5), now, &mut |p| out.push(p), &mut |_| {}),
-            Disposition::Applied
-        );
-        assert_eq!(
-            t.apply(&delta("a"), InputPosition::at(5), now, &mut |p| out.push(p), &mut |_| {}),
-            Disposition::Duplicate
-        );
-        assert_eq!(
-            t.apply(&delta("a"), InputPosition::at(3), now, &mut |p| out.push(p), &mut |_| {}),
-            Disposition::Duplicate
-        );
-        assert_eq!(
-            t.apply(&delta("a"), InputPosition::at(9), now, &mut |p| out.push(p), &mut |_| {}),
-            Disposition::Applied
-        );
+        use Disposition::{Applied, Duplicate};
+        for (sequence, expected) in [(5, Applied), (5, Duplicate), (3, Duplicate), (9, Applied)] {
+            let got = t.apply(&delta("a"), InputPosition::at(sequence), now, &mut |p| out.push(p), &mut |_| {});
+            assert_eq!(got, expected, "sequence {sequence}");
+        }
         let fin = decode(br#"{"type":"final","meta":{"message_id":"a"}}"#, 1 << 20).unwrap();
         assert_eq!(t.apply(&fin, InputPosition::at(10), now, &mut |p| out.push(p), &mut |_| {}), Disposition::Applied);
         assert_eq!(
