@@ -272,8 +272,6 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 /// pull client at a time; a delivery under a new pin id means the partition moved here (the
 /// previous client died, or stopped pulling for `pinned_ttl_ms`) and starts a [`Recovery`].
 struct Pinned {
-    /// The partition.
-    partition: u32,
     /// `pinned_ttl_ms`: a pin lost without a reconnect (pulls held up that long on a connection
     /// that survived) is looked for once the partition has been quiet that long.
     ttl: Duration,
@@ -323,8 +321,9 @@ impl Pinned {
 struct Recovery {
     stream: stream::Stream,
     subject: String,
-    /// The partition the source's consumer delivers (0 when its consumer is not a partition's),
-    /// given to every envelope it hands on (see [`Envelope::jetstream`]).
+    /// The partition the source's consumer delivers (0 when its consumer is not a partition's):
+    /// given to every envelope it hands on (see [`Envelope::jetstream`]), and the one a lost pin
+    /// gives up.
     partition: u32,
     /// The consumer sequence of the latest delivery here. A replica's own consumer starts from
     /// what it had delivered when opened; a shared (pinned) one from `None`, until the first.
@@ -581,7 +580,7 @@ async fn open_pinned_consumers(
             }
         };
         tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
-        let pinned = Pinned { partition, ttl, expires: ttl / 3, pin: None, gone: None, lost: false };
+        let pinned = Pinned { ttl, expires: ttl / 3, pin: None, gone: None, lost: false };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
         // Shared: what it delivered went to whichever replica held the pin.
         let recovery = Recovery::new(stream, &subject, partition, None);
@@ -651,7 +650,7 @@ impl JetStreamSource {
         loop {
             if let Some(pinned) = self.pinned.as_mut().filter(|p| p.lost) {
                 pinned.lost = false;
-                return Input::PinLost(pinned.partition);
+                return Input::PinLost(self.recovery.partition);
             }
             if let Some(envelope) = self.recovery.next_rebuilt().await {
                 return Input::Event(envelope);
