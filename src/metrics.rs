@@ -281,6 +281,11 @@ const STREAMS_OPENED: MetricDef =
     MetricDef { name: "streams_opened_total", help: "Streams opened.", kind: MetricType::Counter };
 const STREAMS_CLOSED: MetricDef =
     MetricDef { name: "streams_closed_total", help: "Streams closed, by reason.", kind: MetricType::Counter };
+const STREAM_PARTITION_CONFLICTS: MetricDef = MetricDef {
+    name: "stream_partition_conflicts_total",
+    help: "Events of an open stream that arrived from another input partition than its first event.",
+    kind: MetricType::Counter,
+};
 const CAPTURES_OVERFLOWED: MetricDef = MetricDef {
     name: "captures_overflowed_total",
     help: "Captured blocks that hit their byte limit and completed unsuccessfully.",
@@ -446,6 +451,8 @@ pub struct MetricsSnapshot {
     pub streams_opened: u64,
     /// `streams_closed_total` by [`CloseReason`].
     pub streams_closed: BTreeMap<&'static str, u64>,
+    /// `stream_partition_conflicts_total`.
+    pub stream_partition_conflicts: u64,
     /// `captures_overflowed_total`.
     pub captures_overflowed: u64,
     /// `captures_unclosed_total`.
@@ -505,6 +512,7 @@ pub struct Metrics {
     streams_open: Box<[AtomicU64]>,
     streams_opened: Counter,
     streams_closed: CounterFamily<CloseReason>,
+    stream_partition_conflicts: Counter,
     captures_overflowed: Counter,
     captures_unclosed: Counter,
     finals_diverged: Counter,
@@ -536,6 +544,7 @@ impl Metrics {
             streams_open: (0..shards.max(1)).map(|_| AtomicU64::new(0)).collect(),
             streams_opened: Counter::default(),
             streams_closed: CounterFamily::new(),
+            stream_partition_conflicts: Counter::default(),
             captures_overflowed: Counter::default(),
             captures_unclosed: Counter::default(),
             finals_diverged: Counter::default(),
@@ -619,6 +628,11 @@ impl Metrics {
         self.text_overflows.add(n);
     }
 
+    /// Counts `n` events that arrived from another input partition than their open stream's.
+    pub fn count_stream_partition_conflicts(&self, n: u64) {
+        self.stream_partition_conflicts.add(n);
+    }
+
     /// Counts `n` upstream error texts cut to their limit.
     pub fn count_error_texts_cut(&self, n: u64) {
         self.error_texts_cut.add(n);
@@ -664,6 +678,7 @@ impl Metrics {
             streams_open: self.streams_open.iter().map(|slot| slot.load(Ordering::Relaxed)).sum(),
             streams_opened: self.streams_opened.get(),
             streams_closed: self.streams_closed.snapshot(),
+            stream_partition_conflicts: self.stream_partition_conflicts.get(),
             captures_overflowed: self.captures_overflowed.get(),
             captures_unclosed: self.captures_unclosed.get(),
             finals_diverged: self.finals_diverged.get(),
@@ -692,6 +707,7 @@ impl Metrics {
         out.scalar(STREAMS_OPEN, s.streams_open);
         out.scalar(STREAMS_OPENED, s.streams_opened);
         out.family::<CloseReason>(STREAMS_CLOSED, &s.streams_closed);
+        out.scalar(STREAM_PARTITION_CONFLICTS, s.stream_partition_conflicts);
         out.scalar(CAPTURES_OVERFLOWED, s.captures_overflowed);
         out.scalar(CAPTURES_UNCLOSED, s.captures_unclosed);
         out.scalar(FINALS_DIVERGED, s.finals_diverged);
@@ -785,7 +801,7 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 20] = [
+    const ALL_DEFS: [MetricDef; 21] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
@@ -795,6 +811,7 @@ mod tests {
         STREAMS_OPEN,
         STREAMS_OPENED,
         STREAMS_CLOSED,
+        STREAM_PARTITION_CONFLICTS,
         CAPTURES_OVERFLOWED,
         CAPTURES_UNCLOSED,
         FINALS_DIVERGED,
@@ -876,6 +893,7 @@ mod tests {
         m.count_finals_diverged(6);
         m.count_text_overflows(7);
         m.count_error_texts_cut(8);
+        m.count_stream_partition_conflicts(9);
         m.count_connection_event(ConnectionEventKind::Disconnected);
         m.count_shard_inbox_full();
 
@@ -894,7 +912,7 @@ mod tests {
         assert_eq!(s.streams_closed["expired"], 2);
         assert_eq!(s.streams_closed_total(), 2);
         assert_eq!((s.captures_overflowed, s.captures_unclosed, s.finals_diverged, s.text_overflows), (4, 5, 6, 7));
-        assert_eq!(s.error_texts_cut, 8);
+        assert_eq!((s.error_texts_cut, s.stream_partition_conflicts), (8, 9));
         assert_eq!(s.nats_connection_events["disconnected"], 1);
         assert_eq!(s.shard_inbox_full, 1);
 

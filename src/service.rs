@@ -977,6 +977,7 @@ impl ShardSink for NatsSink {
         m.count_streams_closed(CloseReason::Shutdown, table.closed_at_shutdown - last.table.closed_at_shutdown);
         m.count_streams_closed(CloseReason::Failed, table.failed - last.table.failed);
         m.count_streams_closed(CloseReason::HandedOver, table.handed_over - last.table.handed_over);
+        m.count_stream_partition_conflicts(table.partition_conflicts - last.table.partition_conflicts);
         m.count_captures_overflowed(pipeline.capture_overflows - last.pipeline.capture_overflows);
         m.count_captures_unclosed(pipeline.unclosed_captures - last.pipeline.unclosed_captures);
         m.count_finals_diverged(pipeline.diverged_finals - last.pipeline.diverged_finals);

@@ -57,6 +57,9 @@ pub struct TableStats {
     pub closed_at_shutdown: u64,
     /// Events for streams that had finished.
     pub late_events: u64,
+    /// Events of an open stream that arrived from another input partition than the one the stream
+    /// keeps (see [`InputPosition::partition`]): the one-partition-per-stream assumption broken.
+    pub partition_conflicts: u64,
     /// Streams discarded after processing one of their events failed ([`StreamTable::discard`]).
     pub failed: u64,
     /// Streams forgotten without closing them, for another replica to rebuild
@@ -220,6 +223,9 @@ impl StreamTable {
                     #[cfg(test)]
                     inject_failure(self.panic_on_delta, delta);
                     let open = entry.into_mut();
+                    if open.partition != input.partition {
+                        self.stats.partition_conflicts += 1;
+                    }
                     Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
                     return Disposition::Applied;
                 }
@@ -379,7 +385,10 @@ impl StreamTable {
         opened: &mut dyn FnMut(&tracing::Span),
     ) {
         let stream_id = event.stream.stream_id.as_ref();
-        if self.streams.to_back(stream_id).is_some() {
+        if let Some(open) = self.streams.to_back(stream_id) {
+            if open.partition != partition {
+                self.stats.partition_conflicts += 1;
+            }
             return;
         }
         while self.streams.len() >= self.limits.max_streams {
@@ -527,5 +536,19 @@ mod tests {
         assert!(out.is_empty() && t.is_empty() && t.take_closed().is_empty());
         let stats = t.stats();
         assert_eq!((stats.handed_over, stats.finished, stats.closed_at_shutdown), (3, 0, 0));
+    }
+
+    #[test]
+    fn events_from_another_partition_than_their_streams_are_counted_and_applied() {
+        let mut t = table(10);
+        let mut out = Vec::new();
+        let fin = decode(br#"{"type":"final","meta":{"message_id":"a"}}"#, 1 << 20).unwrap();
+        for (event, partition, conflicts) in [(delta("a"), 1, 0), (delta("a"), 1, 0), (delta("a"), 0, 1), (fin, 2, 2)] {
+            let input = InputPosition { partition, sequence: None };
+            let got = t.apply(&event, input, Instant::now(), &mut |p| out.push(p), &mut |_| {});
+            assert_eq!((got, t.stats().partition_conflicts), (Disposition::Applied, conflicts));
+        }
+        // The stream kept its first partition throughout, and closed normally.
+        assert_eq!((t.len(), t.stats().finished), (0, 1));
     }
 }
