@@ -129,7 +129,8 @@ impl<S: ShardSink> Shard<S> {
         // with its other streams. Outputs the event had produced for its own stream are dropped
         // with it; those of a stream it closed first (evicted to make room) are published, since
         // that stream is closed and its input acknowledged.
-        let failed = event.stream.stream_id.as_ref();
+        // The event's own stream (the one discarded if applying the event fails).
+        let own = event.stream.stream_id.as_ref();
         // Whether the failure came while closing the event's own stream (a final).
         let mut own_close_failed = false;
         let applied = loop {
@@ -138,7 +139,7 @@ impl<S: ShardSink> Shard<S> {
             }));
             if attempt.is_err() {
                 match table.recover_failed_close() {
-                    Some(id) if id.as_ref() == failed => own_close_failed = true,
+                    Some(id) if id.as_ref() == own => own_close_failed = true,
                     // Closing a stream evicted to make room failed: that costs the evicted stream
                     // only. Eviction comes before the event's stream opens, so the event touched
                     // nothing yet, and there is room now: it is applied again. (Each retry has one
@@ -161,7 +162,10 @@ impl<S: ShardSink> Shard<S> {
                     _ => Standing::Following,
                 };
                 for p in outputs.drain(..) {
-                    sink.publish(p, Some(&envelope)).await;
+                    // The last outputs of a stream evicted to make room come first; the event did
+                    // not cause them (they must not carry its trace context).
+                    let cause = (p.stream_id() == own).then_some(&envelope);
+                    sink.publish(p, cause).await;
                 }
                 sink.applied(&event.stream.stream_id, envelope, standing).await;
             }
@@ -172,12 +176,12 @@ impl<S: ShardSink> Shard<S> {
                 // closed it already, without its last outputs).
                 outputs.retain(|p| {
                     let id = p.stream_id();
-                    id != failed && table.has_closed(id)
+                    id != own && table.has_closed(id)
                 });
                 if !own_close_failed {
-                    table.discard(failed);
+                    table.discard(own);
                 }
-                tracing::error!(shard = *index, stream_id = %failed, "processing an event failed; the stream was discarded");
+                tracing::error!(shard = *index, stream_id = %own, "processing an event failed; the stream was discarded");
                 for p in outputs.drain(..) {
                     sink.publish(p, None).await;
                 }
@@ -710,6 +714,26 @@ mod tests {
         assert!(evicted.iter().all(|&i| i < position("closed old")), "{log:?}");
         assert!(position("dead 2 internal_error") < position("closed new"), "{log:?}");
         assert!(!log.iter().any(|l| l.contains(" new:")), "nothing of the failed stream is published: {log:?}");
+    }
+
+    #[tokio::test]
+    async fn the_outputs_of_a_stream_evicted_by_an_event_are_not_caused_by_it() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| (one_stream_table(), log.clone()));
+        set.route(delta("old", "a <core:x:v1>half", 1)).await.unwrap();
+        // Opening `new` evicts `old` (one stream at most): `old`'s last outputs are not `new`'s
+        // event's (they must not carry its trace context).
+        set.route(delta("new", "hello", 2)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let old: Vec<&String> = log.iter().filter(|l| l.contains(" old:")).collect();
+        let evicted: Vec<&&String> = old.iter().filter(|l| l.ends_with(" None")).collect();
+        // The text, the block's start and its content, then its completion and the final text
+        // after the eviction.
+        assert_eq!((old.len(), evicted.len()), (5, 2), "{log:?}");
+        assert!(old[..3].iter().all(|l| l.ends_with(" Some(1)")), "{log:?}");
+        let new: Vec<&String> = log.iter().filter(|l| l.contains(" new:")).collect();
+        assert!(!new.is_empty() && new[..new.len() - 1].iter().all(|l| l.ends_with(" Some(2)")), "{log:?}");
     }
 
     #[tokio::test]
