@@ -5,7 +5,16 @@
 //!
 //! `serde_norway` is the maintained fork of the deprecated `serde_yaml`. Parsing into
 //! `serde_json::Value` means YAML keys become strings (`1: a` gives `{"1": "a"}`), `.nan` and
-//! `.inf` become `null`, and custom tags (`!foo`) are rejected.
+//! `.inf` become `null`, integers beyond 64 bits become floats (as JSON numbers that size do), and
+//! custom tags (`!foo`) are rejected.
+//!
+//! # Aliases
+//! An alias (`*a`) copies its anchor's whole value, so a short body can name a huge document (a
+//! list of ten thousand items, aliased ten thousand times, is 10⁸ values from 50 KB). The parse
+//! counts the values it builds and fails once they exceed [`value_budget`]: one per byte of the
+//! body, which a body without aliases never reaches, plus [`ALIAS_ALLOWANCE`]. Aliases may repeat
+//! values, within that allowance, but never make the parse's work and memory more than a constant
+//! beyond what a body of that size could ask for without them.
 //!
 //! # Repair
 //! Runs only after the strict parse failed, so valid YAML is never altered. It changes, line by
@@ -20,6 +29,9 @@
 //!
 //! If the repair changes nothing there is no retry, and the strict error is reported.
 
+use std::cell::Cell;
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
 use super::PayloadError;
@@ -42,7 +54,127 @@ pub fn parse_yaml(body: &str) -> Result<Value, PayloadError> {
 
 /// Only the strict parse, without repair.
 pub(crate) fn parse_strict(body: &str) -> Result<Value, serde_norway::Error> {
-    serde_norway::from_str(body)
+    let budget = Cell::new(value_budget(body));
+    Counted(&budget).deserialize(serde_norway::Deserializer::from_str(body))
+}
+
+/// How many values (scalars, lists and maps, each counted once; map keys are not) the parse of
+/// `body` may build. A body without aliases builds at most one per byte, plus one (an empty
+/// document is `null`; `-` is a list holding `null`).
+fn value_budget(body: &str) -> usize {
+    body.len() + 1 + ALIAS_ALLOWANCE
+}
+
+/// The values aliases may add beyond a body's own size: generous for anchors that share a few
+/// settings, and small enough (well under a millisecond of work and a megabyte) that a body
+/// re-parsed for every snapshot cannot turn it into a cost.
+const ALIAS_ALLOWANCE: usize = 10_000;
+
+/// Builds a [`Value`] as `serde_json`'s own visitor does, taking one from the budget per value.
+#[derive(Clone, Copy)]
+struct Counted<'b>(&'b Cell<usize>);
+
+impl Counted<'_> {
+    fn take<E: de::Error>(self) -> Result<(), E> {
+        let left = self.0.get();
+        if left == 0 {
+            return Err(E::custom(
+                "the document expands to more values than its size allows (aliases repeat too much)",
+            ));
+        }
+        self.0.set(left - 1);
+        Ok(())
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Counted<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Counted<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any YAML value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        self.take()?;
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        self.take()?;
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        self.take()?;
+        Ok(Value::from(v))
+    }
+
+    // Beyond 64 bits: a float, as serde_json reads such a JSON number (its own visitor refuses
+    // them, which reported a valid YAML integer as invalid YAML).
+    fn visit_i128<E: de::Error>(self, v: i128) -> Result<Value, E> {
+        self.visit_f64(v as f64)
+    }
+
+    fn visit_u128<E: de::Error>(self, v: u128) -> Result<Value, E> {
+        self.visit_f64(v as f64)
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        self.take()?;
+        // Not finite (`.nan`, `.inf`): null, as serde_json's visitor gives.
+        Ok(Value::from(v))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        self.visit_string(v.to_owned())
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        self.take()?;
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        self.take()?;
+        Ok(Value::Null)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
+        self.visit_unit()
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        self.take()?;
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(self)? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        self.take()?;
+        let mut object = serde_json::Map::new();
+        // Keys as strings, as serde_json reads them (`1: a` gives `{"1": "a"}`); a repeated key's
+        // last value wins.
+        while let Some(key) = map.next_key::<String>()? {
+            let value = map.next_value_seed(self)?;
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
 }
 
 /// Builds the boundary error from the strict failure and the retry's message.
@@ -167,6 +299,52 @@ mod tests {
         for (yaml, want) in cases {
             assert_eq!(parse_yaml(yaml), Ok(want), "{yaml:?}");
         }
+    }
+
+    #[test]
+    fn aliases_are_expanded_within_a_bound_on_the_values_they_build() {
+        let yaml = "base: &b {x: 1, y: [a, b]}\nother: *b\nlist: [*b, *b]\n";
+        let base = json!({"x": 1, "y": ["a", "b"]});
+        assert_eq!(parse_yaml(yaml), Ok(json!({"base": base, "other": base, "list": [base, base]})));
+        // A thousand items aliased a thousand times: a million values from about 6 KB.
+        let items = vec!["x"; 1000].join(",");
+        let aliases = vec!["*a"; 1000].join(",");
+        let bomb = format!("a: &a [{items}]\nb: [{aliases}]\n");
+        let err = parse_yaml(&bomb).unwrap_err();
+        assert!(err.to_string().contains("expands to more values"), "{err}");
+        // Within the allowance: ten aliases of a thousand items.
+        let ten = ["*a"; 10].join(",");
+        let fine = parse_yaml(&format!("a: &a [{items}]\nb: [{ten}]\n")).unwrap();
+        assert_eq!(fine["b"][9].as_array().map(Vec::len), Some(1000));
+    }
+
+    #[test]
+    fn a_body_without_aliases_never_reaches_the_budget() {
+        // The densest bodies: a value per byte or nearly.
+        for body in ["", "-", "- -", "-\n-\n-\n", "[a,a,a,a]", "[[[[]]]]", "{a,b,c}", "a:\nb:\n"] {
+            let built = count_values(&parse_strict(body).unwrap());
+            assert!(built <= body.len() + 1, "{body:?}: {built} values");
+        }
+    }
+
+    fn count_values(value: &Value) -> usize {
+        1 + match value {
+            Value::Array(items) => items.iter().map(count_values).sum(),
+            Value::Object(map) => map.values().map(count_values).sum(),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn integers_beyond_64_bits_are_floats_as_in_json() {
+        assert_eq!(parse_yaml("id: 123456789012345678901\n"), Ok(json!({"id": 123456789012345678901.0})));
+        assert_eq!(parse_yaml("id: -123456789012345678901\n"), Ok(json!({"id": -123456789012345678901.0})));
+        assert_eq!(
+            parse_yaml("big: 18446744073709551615\nneg: -9223372036854775808\n"),
+            Ok(json!({"big": u64::MAX, "neg": i64::MIN}))
+        );
+        assert_eq!(parse_yaml("n: .nan\ni: -.inf\n"), Ok(json!({"n": null, "i": null})));
+        assert_eq!(parse_yaml("1: a\ntrue: b\n"), Ok(json!({"1": "a", "true": "b"})));
     }
 
     #[test]
