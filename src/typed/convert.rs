@@ -8,13 +8,17 @@
 //! The mapping follows proto3 JSON, with a few allowances for what YAML and models produce:
 //! * **Field names**: the name as declared (`new_mode`) or its lowerCamelCase JSON name
 //!   (`newMode`). Giving the same field under both names is an error. An unknown name is an error.
-//! * **`null`** leaves a field unset (as in proto3 JSON), except for a `google.protobuf.Value`
-//!   field, where it is the null value. A `null` inside a list or as a map value is an error.
+//! * **`null`** leaves a field unset (as in proto3 JSON), except for a singular
+//!   `google.protobuf.Value` field, where it is the null value (a list or map of them is left
+//!   unset, like any other). A `null` inside a list or as a map value is an error, except where
+//!   the items are `google.protobuf.Value`s.
 //! * **Integers** (`int32`, `uint64`, `sint32`, `fixed64`, ...): a number without a fractional
 //!   part (`3` or `3.0`) or a string holding a decimal integer (`"3"`, as proto3 JSON allows for
 //!   64-bit values). Fractions and values outside the field's range are errors.
 //! * **Floats** (`float`, `double`): a number, a numeric string, or `"NaN"`, `"Infinity"`,
-//!   `"-Infinity"`. A finite value beyond `float`'s range is an error.
+//!   `"-Infinity"`. A finite value beyond `float`'s range is an error, and so is a numeric string
+//!   beyond `double`'s (`"1e400"`, which a YAML payload keeps as a string): only those names
+//!   stand for infinity.
 //! * **Strings**: a string. A number or a boolean is also accepted and written in its JSON form,
 //!   because YAML types an unquoted `1984` or `true` as a number or a boolean.
 //! * **Booleans**: `true` or `false` only.
@@ -264,7 +268,9 @@ impl Converter {
 
     /// The value of one field; `None` for a `null` that leaves the field unset.
     fn field(&mut self, field: &FieldDescriptor, value: &Json, depth: usize) -> Result<Option<Value>, ConversionError> {
-        if value.is_null() && !is_value_message(&field.kind()) {
+        // A `google.protobuf.Value` field takes `null` as a value; a list or map of them, like
+        // any list or map, is left unset (empty) by it.
+        if value.is_null() && (field.is_list() || field.is_map() || !is_value_message(&field.kind())) {
             return Ok(None);
         }
         if field.is_map() {
@@ -470,7 +476,12 @@ fn float(value: &Json) -> Result<f64, Problem> {
             other if other.bytes().any(|b| b.is_ascii_alphabetic() && b != b'e' && b != b'E') => {
                 Err(Problem::wrong_type("a number", value))
             }
-            other => other.parse::<f64>().map_err(|_| Problem::wrong_type("a number", value)),
+            other => match other.parse::<f64>() {
+                // Beyond double's range ("1e400", which YAML keeps as a string): only the names
+                // above stand for infinity.
+                Ok(v) if v.is_infinite() => Err(out_of_range(value, "double")),
+                parsed => parsed.map_err(|_| Problem::wrong_type("a number", value)),
+            },
         },
         other => Err(Problem::wrong_type("a number", other)),
     }
@@ -652,6 +663,8 @@ mod tests {
         assert_eq!(float(&json!("1e3")).ok(), Some(1000.0));
         assert!(float(&json!("inf")).is_err());
         assert!(float(&json!(true)).is_err());
+        let beyond = float(&json!("-1e400")).unwrap_err();
+        assert_eq!(beyond.kind, ConversionErrorKind::OutOfRange, "{beyond:?}");
     }
 
     #[test]

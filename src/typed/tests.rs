@@ -396,6 +396,31 @@ fn well_known_types_and_bytes_report_their_form() {
 }
 
 #[test]
+fn null_is_a_null_value_but_leaves_lists_and_maps_of_values_unset() {
+    let dir = tempfile::tempdir().unwrap();
+    let proto = r#"syntax = "proto3";
+package loose.v1;
+import "structuredsink/v1/options.proto";
+import "google/protobuf/struct.proto";
+message Loose {
+  option (structuredsink.v1.block) = { tag: "loose:Loose:v1" };
+  google.protobuf.Value one = 1;
+  repeated google.protobuf.Value items = 2;
+  map<string, google.protobuf.Value> named = 3;
+}
+"#;
+    write(dir.path(), "loose/v1/loose.proto", proto);
+    let registry = SchemaRegistry::load(&[dir.path().to_owned()]).unwrap();
+    let loose = registry.block_type("loose:Loose:v1").unwrap();
+    let msg = loose.convert(&json!({"one": null, "items": null, "named": null})).unwrap();
+    assert!(msg.has_field_by_name("one"), "a null google.protobuf.Value is a value");
+    assert!(!msg.has_field_by_name("items") && !msg.has_field_by_name("named"));
+    let msg = loose.convert(&json!({"items": [null, 1]})).unwrap();
+    let Value::List(items) = field(&msg, "items") else { panic!() };
+    assert_eq!(items.len(), 2);
+}
+
+#[test]
 fn errors_quote_at_most_a_short_part_of_the_payload() {
     let (_dir, registry) = user_registry();
     let mode = mode_switch(&registry);
