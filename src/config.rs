@@ -495,9 +495,9 @@ pub struct ShardConfig {
     pub max_streams: usize,
     /// How often workers look for idle streams.
     pub expiry_tick_ms: u64,
-    /// Ids of recently finished streams remembered per replica (shared evenly by its shards), so
-    /// that late events for them are dead-lettered instead of starting a new stream with
-    /// duplicate sequence numbers.
+    /// Ids of recently finished streams remembered per replica (split evenly over its shards,
+    /// rounded up; the oldest is forgotten first), so that late events for them are dead-lettered
+    /// instead of starting a new stream with duplicate sequence numbers. 0 remembers none.
     pub finished_memory: usize,
 }
 
