@@ -8,7 +8,9 @@
 //! The rules, on lines (a line ends at `\n`; a `\r` before it counts as trailing whitespace):
 //! * An **opening fence** is the first line whose text, after any spaces or tabs, starts with at
 //!   least three backticks and whose info string (the rest of the line: `yaml`, `yml`, `json`,
-//!   anything, or nothing) contains no backtick. The info line is never part of the body.
+//!   anything, or nothing) contains no backtick. The info line is never part of the body. A line
+//!   that is the content of a YAML block scalar (`key: |` or `key: >` on an earlier line, this one
+//!   indented deeper) opens nothing: an unfenced payload may hold a fenced example there.
 //! * A **closing fence** is a later line of at least as many backticks as the opening, with only
 //!   whitespace after them, indented no deeper than the opening fence. The depth rule is a
 //!   deliberate departure from CommonMark: a YAML block scalar that itself contains a fenced
@@ -52,7 +54,11 @@ pub fn fenced_body(raw: &str) -> &str {
 /// streaming caller never mistakes the info string for content.
 pub fn find_fence(raw: &str) -> Option<Fence<'_>> {
     let mut lines = Lines::new(raw);
+    let mut scalar = BlockScalar::default();
     let (open, body_start) = lines.by_ref().find_map(|line| {
+        if scalar.holds(line.text) {
+            return None;
+        }
         let open = OpeningFence::parse(line.text)?;
         Some((open, line.end_with_newline()))
     })?;
@@ -104,6 +110,32 @@ fn indent_of(text: &str) -> usize {
 /// Number of leading backticks.
 fn ticks_of(text: &str) -> usize {
     text.bytes().take_while(|b| *b == b'`').count()
+}
+
+/// Whether the lines before an opening fence are inside a YAML block scalar, whose content
+/// cannot open the fence (see the module doc).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct BlockScalar {
+    /// The indentation of the line that opened the block scalar the text is in, if any.
+    opener: Option<usize>,
+}
+
+impl BlockScalar {
+    /// Takes the next line (without `\n`) before any fence; whether it is block-scalar content.
+    fn holds(&mut self, text: &str) -> bool {
+        let indent = indent_of(text);
+        let content = text[indent..].trim_end();
+        if let Some(opener) = self.opener {
+            if content.is_empty() || indent > opener {
+                return true;
+            }
+            self.opener = None;
+        }
+        if super::yaml::opens_block_scalar(content) {
+            self.opener = Some(indent);
+        }
+        false
+    }
 }
 
 /// An opening fence line: how deep it is indented and how many backticks close it.
@@ -200,8 +232,9 @@ pub(crate) struct FenceTracker {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum TrackState {
     /// No opening fence yet. `content` is the span from the first to the end of the last
-    /// non-blank line seen so far (the unfenced body). Exit: a line opens a fence.
-    SeekingOpen { content: Option<(usize, usize)> },
+    /// non-blank line seen so far (the unfenced body); `scalar`, the block scalar the lines are
+    /// in. Exit: a line opens a fence.
+    SeekingOpen { content: Option<(usize, usize)>, scalar: BlockScalar },
     /// Inside a fence whose body starts at `body_start`. Exit: a closing fence line.
     AwaitingClose { indent: usize, ticks: usize, body_start: usize },
     /// The fence is closed; later lines are ignored. Terminal.
@@ -210,7 +243,7 @@ enum TrackState {
 
 impl Default for TrackState {
     fn default() -> Self {
-        TrackState::SeekingOpen { content: None }
+        TrackState::SeekingOpen { content: None, scalar: BlockScalar::default() }
     }
 }
 
@@ -230,13 +263,19 @@ impl FenceTracker {
     /// One complete line starting at `start`, without its `\n`.
     fn line(&mut self, start: usize, line: &str) {
         self.state = match self.state {
-            TrackState::SeekingOpen { content } => match OpeningFence::parse(line) {
-                Some(open) => {
-                    TrackState::AwaitingClose { indent: open.indent, ticks: open.ticks, body_start: self.processed }
+            TrackState::SeekingOpen { content, mut scalar } => {
+                let open = if scalar.holds(line) { None } else { OpeningFence::parse(line) };
+                match open {
+                    Some(open) => {
+                        TrackState::AwaitingClose { indent: open.indent, ticks: open.ticks, body_start: self.processed }
+                    }
+                    None if line.trim().is_empty() => TrackState::SeekingOpen { content, scalar },
+                    None => {
+                        let content = Some((content.map_or(start, |(s, _)| s), self.processed));
+                        TrackState::SeekingOpen { content, scalar }
+                    }
                 }
-                None if line.trim().is_empty() => TrackState::SeekingOpen { content },
-                None => TrackState::SeekingOpen { content: Some((content.map_or(start, |(s, _)| s), self.processed)) },
-            },
+            }
             TrackState::AwaitingClose { indent, ticks, body_start } => {
                 let open = OpeningFence { indent, ticks, info: "" };
                 if open.is_closed_by(line) {
@@ -252,7 +291,7 @@ impl FenceTracker {
     /// The body of `text` cut after the last processed `\n`.
     pub(crate) fn body<'a>(&self, text: &'a str) -> &'a str {
         match self.state {
-            TrackState::SeekingOpen { content } => content.map_or("", |(s, e)| &text[s..e]),
+            TrackState::SeekingOpen { content, .. } => content.map_or("", |(s, e)| &text[s..e]),
             TrackState::AwaitingClose { body_start, .. } => &text[body_start..self.processed],
             TrackState::Closed { body_start, body_end } => &text[body_start..body_end],
         }
@@ -297,6 +336,13 @@ mod tests {
                 "ex: |\n  ```py\n  x\n  ```\nb: 1\n",
             ),
             ("inline triple backticks are not a fence", "a: ```x```\n", "a: ```x```\n"),
+            (
+                "a fence in an unfenced block scalar is content",
+                "example: |\n  ```python\n  x = 1\n  ```\nname: demo\n",
+                "example: |\n  ```python\n  x = 1\n  ```\nname: demo\n",
+            ),
+            ("a fence after a block scalar ends opens", "note: >\n  folded\n\n```yaml\na: 1\n```\n", "a: 1\n"),
+            ("a fence as deep as the scalar's opener opens", "  s: |\n  ```\n  a\n  ```\n", "  a\n"),
             ("crlf", "```yaml\r\na: 1\r\n```\r\n", "a: 1\r\n"),
         ];
         for (name, raw, want) in cases {
@@ -323,6 +369,8 @@ mod tests {
             "```\n```\n",
             "  ```yaml\n  a: 1\n    ```\n  ```\nz\n",
             "intro\n````json\n{\n```\n}\n````\n",
+            "example: |\n  ```python\n\n  x = 1\n  ```\nname: demo\n```\nz\n```\n",
+            "a: |\nb: >\n   ```\n  ```\n```\nc\n```\n",
         ];
         for text in texts {
             let mut tracker = FenceTracker::default();

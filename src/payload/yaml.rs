@@ -264,7 +264,7 @@ fn missing_space_at(rest: &str) -> Option<usize> {
 }
 
 /// Whether a line (trimmed) ends with a block scalar header: `key: |`, `- >-`, `|2` ...
-fn opens_block_scalar(content: &str) -> bool {
+pub(super) fn opens_block_scalar(content: &str) -> bool {
     let header = content.trim_end_matches(|c: char| c == '-' || c == '+' || c.is_ascii_digit());
     let Some(before) = header.strip_suffix('|').or_else(|| header.strip_suffix('>')) else {
         return false;
