@@ -128,7 +128,9 @@ pub struct SchemasConfig {
     /// How deep messages may nest in a typed payload (the root message is level 1). A deeper
     /// payload completes with `success=false` and is counted in
     /// `blocks_failed_total{reason="too_deep"}`; it bounds the recursion a crafted payload
-    /// against a recursive message type can cause.
+    /// against a recursive message type can cause. A payload nesting deeper than 30 arrays or
+    /// objects fails before conversion (the outputs' own bound), so for most types a value above
+    /// 30 changes nothing.
     pub max_depth: usize,
 }
 

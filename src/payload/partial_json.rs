@@ -45,8 +45,9 @@
 use memchr::memchr2;
 use serde_json::{Map, Value};
 
-/// Deepest nesting accepted; `serde_json` itself refuses documents nested this deep.
-pub const MAX_DEPTH: usize = 128;
+/// Deepest nesting accepted: `serde_json`'s own limit (it refuses 128 levels), so that a complete
+/// document reads here exactly as `serde_json` reads it.
+pub const MAX_DEPTH: usize = 127;
 
 /// Why a [`PartialJson`] stopped reading.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -669,6 +670,15 @@ mod tests {
         let mut parser = PartialJson::new();
         parser.feed(&"[".repeat(MAX_DEPTH + 1));
         assert_eq!(parser.error(), Some(&PartialJsonError::TooDeep { offset: MAX_DEPTH }));
+        // The same limit as serde_json's, on either side of it.
+        for depth in [MAX_DEPTH, MAX_DEPTH + 1] {
+            let doc = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+            let mut parser = PartialJson::new();
+            parser.feed(&doc);
+            let serde = serde_json::from_str::<Value>(&doc).ok();
+            assert_eq!(parser.is_complete(), serde.is_some(), "depth {depth}");
+            assert!(serde.is_none() || parser.snapshot() == serde, "depth {depth}");
+        }
 
         let mut parser = PartialJson::new();
         parser.feed("{\"a\": [1]}\n```");
