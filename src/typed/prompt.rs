@@ -152,7 +152,12 @@ impl Example {
         let pad = " ".repeat(indent);
         let name = field.name();
         let kind = field.kind();
-        if is_any(&kind) {
+        // Any of a map too: `{}` would not convert, and an example type would be made up.
+        let any_values = match &kind {
+            Kind::Message(entry) if field.is_map() => is_any(&entry.map_entry_value_field().kind()),
+            _ => is_any(&kind),
+        };
+        if any_values {
             lines.push(format!(
                 "{pad}# `{name}` (any message, as {{\"@type\": \"type.googleapis.com/<message>\", ...}}) is left out of this example."
             ));

@@ -566,6 +566,33 @@ fn every_example_converts_with_its_type() {
 }
 
 #[test]
+fn an_example_leaves_out_any_messages_in_every_shape_and_converts() {
+    let dir = tempfile::tempdir().unwrap();
+    let proto = r#"syntax = "proto3";
+package anys.v1;
+import "structuredsink/v1/options.proto";
+import "google/protobuf/any.proto";
+message Holder {
+  option (structuredsink.v1.block) = { tag: "anys:Holder:v1" };
+  string name = 1;
+  google.protobuf.Any one = 2;
+  repeated google.protobuf.Any many = 3;
+  map<string, google.protobuf.Any> named = 4;
+}
+"#;
+    write(dir.path(), "anys/v1/anys.proto", proto);
+    let registry = SchemaRegistry::load(&[dir.path().to_owned()]).unwrap();
+    let text = render_prompt(&registry, &["anys:Holder:v1".to_owned()]).unwrap();
+    let raw = example_payload(&text, "anys:Holder:v1");
+    for name in ["one", "many", "named"] {
+        assert!(raw.contains(&format!("# `{name}` (any message")), "{name} left out: {raw}");
+    }
+    let value = payload::decode(PayloadFormat::Yaml, raw).unwrap();
+    let holder = registry.block_type("anys:Holder:v1").unwrap();
+    holder.convert(&value).unwrap_or_else(|e| panic!("{e}\n{raw}"));
+}
+
+#[test]
 fn prompt_for_chosen_tags_keeps_their_order() {
     let registry = SchemaRegistry::builtin();
     let tags = [
