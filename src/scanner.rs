@@ -45,7 +45,7 @@ pub enum TagSetError {
     #[error("tag {0:?} is registered twice")]
     Duplicate(String),
     /// More tags than a [`TagId`] can number.
-    #[error("too many tags: at most {} may be registered", u16::MAX)]
+    #[error("too many tags: at most {} may be registered", usize::from(u16::MAX) + 1)]
     TooMany,
 }
 
@@ -117,7 +117,9 @@ impl TagSet {
         self.tags.is_empty()
     }
 
-    /// The longest open tag in bytes; a stream never holds back more than this minus one.
+    /// The longest open tag in bytes, which bounds what a stream holds back: an open tag's prefix
+    /// (at most this minus one), or a close tag's (one byte longer than its open tag, so at most
+    /// this).
     pub fn max_open_len(&self) -> usize {
         self.max_open_len
     }
