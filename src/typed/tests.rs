@@ -79,8 +79,13 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
 
 /// A registry with [`MODE_PROTO`] loaded from a temporary directory.
 fn user_registry() -> (tempfile::TempDir, SchemaRegistry) {
+    registry_of("myapp/v1/mode.proto", MODE_PROTO)
+}
+
+/// A registry with one file, `proto` at `path`, loaded from a temporary directory.
+fn registry_of(path: &str, proto: &str) -> (tempfile::TempDir, SchemaRegistry) {
     let dir = tempfile::tempdir().unwrap();
-    write(dir.path(), "myapp/v1/mode.proto", MODE_PROTO);
+    write(dir.path(), path, proto);
     let registry = SchemaRegistry::load(&[dir.path().to_owned()]).unwrap();
     (dir, registry)
 }
@@ -397,7 +402,6 @@ fn well_known_types_and_bytes_report_their_form() {
 
 #[test]
 fn null_is_a_null_value_but_leaves_lists_and_maps_of_values_unset() {
-    let dir = tempfile::tempdir().unwrap();
     let proto = r#"syntax = "proto3";
 package loose.v1;
 import "structuredsink/v1/options.proto";
@@ -409,8 +413,7 @@ message Loose {
   map<string, google.protobuf.Value> named = 3;
 }
 "#;
-    write(dir.path(), "loose/v1/loose.proto", proto);
-    let registry = SchemaRegistry::load(&[dir.path().to_owned()]).unwrap();
+    let (_dir, registry) = registry_of("loose/v1/loose.proto", proto);
     let loose = registry.block_type("loose:Loose:v1").unwrap();
     let msg = loose.convert(&json!({"one": null, "items": null, "named": null})).unwrap();
     assert!(msg.has_field_by_name("one"), "a null google.protobuf.Value is a value");
@@ -567,7 +570,6 @@ fn every_example_converts_with_its_type() {
 
 #[test]
 fn an_example_leaves_out_any_messages_in_every_shape_and_converts() {
-    let dir = tempfile::tempdir().unwrap();
     let proto = r#"syntax = "proto3";
 package anys.v1;
 import "structuredsink/v1/options.proto";
@@ -580,8 +582,7 @@ message Holder {
   map<string, google.protobuf.Any> named = 4;
 }
 "#;
-    write(dir.path(), "anys/v1/anys.proto", proto);
-    let registry = SchemaRegistry::load(&[dir.path().to_owned()]).unwrap();
+    let (_dir, registry) = registry_of("anys/v1/anys.proto", proto);
     let text = render_prompt(&registry, &["anys:Holder:v1".to_owned()]).unwrap();
     let raw = example_payload(&text, "anys:Holder:v1");
     for name in ["one", "many", "named"] {
