@@ -721,7 +721,7 @@ impl NatsSink {
         if let Some(reason) = DeadLetterReason::from_label(reason) {
             self.metrics.count_dead_letter(reason);
         }
-        let mut headers = envelope.headers.unwrap_or_default();
+        let mut headers = forwarded_headers(envelope.headers);
         headers.insert(ERROR_HEADER, reason);
         headers.insert(ERROR_DETAIL_HEADER, detail);
         headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
@@ -874,7 +874,7 @@ impl ShardSink for NatsSink {
         match self.pass_through.clone() {
             Some(subject) => {
                 self.metrics.count_passed_through();
-                let mut headers = envelope.headers.unwrap_or_default();
+                let mut headers = forwarded_headers(envelope.headers);
                 headers.insert(SOURCE_SUBJECT_HEADER, envelope.subject.as_str());
                 let input = Input { ack: envelope.ack, sequence: envelope.sequence };
                 self.forward(OutputKind::PassThrough, subject, headers, envelope.payload, input).await;
@@ -1002,6 +1002,35 @@ impl ShardSink for NatsSink {
             Err(_) => tracing::warn!("flush timed out; the connection is down"),
         }
     }
+}
+
+/// The headers of an input event as forwarded (a dead letter, a pass-through event): all of them
+/// but the producer's JetStream publish controls. The server stores those with the event and
+/// would apply them to the copy: a stream that stores the copy would refuse it for good
+/// (`Nats-Expected-Stream` names the input stream, `Nats-Expected-Last-*` its sequences), which
+/// held the input unacknowledged and the partition stalled, or expire it or roll it up.
+/// `Nats-Msg-Id` stays (see [`NatsSink::forward`]).
+fn forwarded_headers(headers: Option<HeaderMap>) -> HeaderMap {
+    let Some(headers) = headers else { return HeaderMap::new() };
+    if !headers.iter().any(|(name, _)| is_publish_control(name.as_ref())) {
+        return headers;
+    }
+    let mut kept = HeaderMap::new();
+    for (name, values) in headers.iter().filter(|(name, _)| !is_publish_control(name.as_ref())) {
+        for value in values {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
+/// Whether `name` is a header that tells JetStream how to store the message that carries it
+/// (nats-server 2.2 to 2.12), compared without regard to case.
+fn is_publish_control(name: &str) -> bool {
+    const PREFIXES: [&str; 3] = ["nats-expected-", "nats-batch-", "nats-schedule"];
+    const NAMES: [&str; 3] = ["nats-rollup", "nats-ttl", "nats-incr"];
+    let starts = |prefix: &str| name.get(..prefix.len()).is_some_and(|head| head.eq_ignore_ascii_case(prefix));
+    PREFIXES.iter().any(|p| starts(p)) || NAMES.iter().any(|n| name.eq_ignore_ascii_case(n))
 }
 
 /// Awaits the confirmations of `outputs` and returns those not stored, each with its error.
@@ -1166,5 +1195,30 @@ mod tests {
         held.hold("c", 7, Subject::from("ack.c.7"));
         held.forget("c");
         assert!(taken(&mut held, "c").is_empty(), "forgotten acks are never sent");
+    }
+
+    #[test]
+    fn forwarded_headers_leave_the_producers_publish_controls_behind() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("Nats-Expected-Stream", "CHAT_RAW"),
+            ("nats-expected-last-sequence", "7"),
+            ("Nats-TTL", "1s"),
+            ("Nats-Rollup", "sub"),
+            ("Nats-Batch-Id", "b"),
+            ("Nats-Msg-Id", "m:1"),
+            ("traceparent", "00-x"),
+            ("App", "one"),
+        ] {
+            headers.append(name, value);
+        }
+        headers.append("App", "two");
+        let kept = forwarded_headers(Some(headers));
+        let mut names: Vec<&str> = kept.iter().map(|(name, _)| name.as_ref()).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["App", "Nats-Msg-Id", "traceparent"]);
+        assert_eq!(kept.get_all("App").map(|v| v.as_str()).collect::<Vec<_>>(), ["one", "two"]);
+        assert!(forwarded_headers(None).is_empty());
+        assert!(!is_publish_control("Nats-Expected") && !is_publish_control("Nats-TTLx"));
     }
 }

@@ -889,6 +889,55 @@ async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
     assert_eq!(ids, expected);
 }
 
+/// A producer's JetStream publish controls (here `Nats-Expected-Stream: CHAT_RAW`) are stored with
+/// its input event. Forwarded as they were, they made the stream that stores dead letters and
+/// pass-through events refuse the copy, for good: the retries held the input unacknowledged (and
+/// its partition stalled). The copies leave them behind and keep every other header.
+#[tokio::test]
+async fn forwarded_input_events_leave_the_producers_publish_controls_behind() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let subjects = vec!["chat.passthrough".into(), "chat.dlq".into()];
+    let mut forwarded = js
+        .create_stream(jetstream::stream::Config { name: "FORWARDED".into(), subjects, ..Default::default() })
+        .await
+        .unwrap();
+    let mut config = jetstream_config(&server.url());
+    config.input.pass_through_subject = "chat.passthrough".into();
+    let service = RunningService::start(config).await.unwrap();
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+
+    let events = [("m-pass", r#"{"type":"tool-call","meta":{"message_id":"m-pass"}}"#), ("m-dead", "not json")];
+    for (id, payload) in events {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Expected-Stream", "CHAT_RAW");
+        headers.insert("App-Id", id);
+        js.publish_with_headers(format!("chat.raw.{id}"), headers, payload.into()).await.unwrap().await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (forwarded.info().await.unwrap().state.messages < 2 || input_ack_pending(&input).await > 0)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(input_ack_pending(&input).await, 0, "both inputs acknowledged: their copies were stored");
+    let got = read_all(&mut forwarded, 2).await;
+    service.shutdown().await.unwrap();
+    let mut kept: Vec<(String, Option<String>, bool)> = got
+        .iter()
+        .map(|m| {
+            let headers = m.headers.as_ref().unwrap();
+            let app = headers.get("App-Id").map(|v| v.to_string());
+            (m.subject.to_string(), app, headers.get("Nats-Expected-Stream").is_some())
+        })
+        .collect();
+    kept.sort();
+    let expected = [("chat.dlq", "m-dead"), ("chat.passthrough", "m-pass")]
+        .map(|(s, id)| (s.to_owned(), Some(id.to_owned()), false));
+    assert_eq!(kept, expected);
+}
+
 /// A start-up that fails (here: the HTTP port is taken) fails before anything consumes input: no
 /// stream or consumer is created, and no task is left behind to acknowledge events.
 #[tokio::test]
