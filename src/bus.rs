@@ -16,6 +16,7 @@ mod connect;
 mod error;
 mod header;
 
+pub(crate) use config::mask_url_secret;
 pub use config::{NatsConfig, TlsConfig, MASK};
 pub use connect::{connect, parse_server_version, round_trip, server_version, ConnectionEvent};
 pub use error::BusError;

@@ -35,9 +35,10 @@ const VERBATIM_KEYS: [&str; 4] = ["nats.token", "nats.user", "nats.password", "n
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// A layer could not be read or a key is unknown or of the wrong type (figment names the key
-    /// and the layer it came from).
+    /// and the layer it came from). Values of the `nats` section are masked in it, as everywhere
+    /// (see [`ConfigError::from`]).
     #[error("configuration: {0}")]
-    Load(#[from] Box<figment::Error>),
+    Load(Box<figment::Error>),
     /// A value is out of range or inconsistent with another.
     #[error("configuration key `{key}`: {reason}")]
     Invalid {
@@ -46,6 +47,40 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+}
+
+impl From<figment::Error> for ConfigError {
+    /// Keeps figment's message, whose wrong-type errors quote the value given, but masks the
+    /// values of `nats` keys: a server URL given as one string where a list was expected would
+    /// otherwise print its password, and a secret given with the wrong type would print itself.
+    fn from(error: figment::Error) -> Self {
+        use figment::error::{Actual, Kind};
+        let mask = |path: &[String], actual: &mut Actual| {
+            if path.first().map(String::as_str) != Some("nats") {
+                return;
+            }
+            *actual = match actual {
+                Actual::Str(text) if path.get(1).map(String::as_str) == Some("servers") => {
+                    Actual::Str(crate::bus::mask_url_secret(text))
+                }
+                Actual::Str(_) | Actual::Char(_) | Actual::Bytes(_) => Actual::Str(crate::bus::MASK.to_owned()),
+                _ => return,
+            };
+        };
+        let mut masked: Option<figment::Error> = None;
+        // The chain is rebuilt in its order: the first error yielded is the last chained.
+        let errors: Vec<figment::Error> = error.into_iter().collect();
+        for mut error in errors.into_iter().rev() {
+            if let Kind::InvalidType(actual, _) | Kind::InvalidValue(actual, _) = &mut error.kind {
+                mask(&error.path, actual);
+            }
+            masked = Some(match masked {
+                Some(earlier) => earlier.chain(error),
+                None => error,
+            });
+        }
+        ConfigError::Load(Box::new(masked.expect("figment errors hold one error at least")))
+    }
 }
 
 impl ConfigError {
@@ -588,7 +623,7 @@ impl Config {
     /// Loads defaults, then `file` (when given), then the environment, then `overrides`
     /// (`section.key=value`, the value in TOML syntax, or a bare string), and validates.
     pub fn load(file: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
-        Self::figment(file, overrides)?.extract::<Config>().map_err(Box::new)?.validated()
+        Self::figment(file, overrides)?.extract::<Config>().map_err(ConfigError::from)?.validated()
     }
 
     /// The layered figment, before extraction.
@@ -653,7 +688,24 @@ impl Config {
                 return Err(feedback_loop(self.input_key(), &input, &format!("{out:?}")));
             }
         }
-        self.partitions.owned_partitions()?;
+        let owned = self.partitions.owned_partitions()?;
+        if !self.partitions.owned.is_empty() && self.partitions.replica_count > 0 {
+            return Err(ConfigError::invalid(
+                "partitions.owned",
+                "give partitions.owned or partitions.replica_index and replica_count, not both",
+            ));
+        }
+        // A replica that owns nothing would report ready and consume nothing (with pinned_client
+        // it stands by for the others' partitions: that is work).
+        if self.partitions.mode != PartitionMode::None && owned.is_empty() && !self.jetstream.pinned_client {
+            return Err(ConfigError::invalid(
+                "partitions.replica_index",
+                format!(
+                    "{} owns none of the {} partitions (replica_count {}): it would consume nothing",
+                    self.partitions.replica_index, self.partitions.count, self.partitions.replica_count
+                ),
+            ));
+        }
         if self.partitions.mode == PartitionMode::Subject && !is_valid_publish_subject(&self.partitions.subject_prefix)
         {
             return Err(ConfigError::invalid("partitions.subject_prefix", "not a valid subject prefix"));
@@ -675,6 +727,15 @@ impl Config {
         }
         if self.jetstream.pull_batch == 0 {
             return Err(ConfigError::invalid("jetstream.pull_batch", "must be greater than 0"));
+        }
+        // Not 0 for "unlimited": the server takes 0 as its own default (1,000), at which a
+        // partition's held first events stall delivery; -1 is the server's "no limit".
+        if self.jetstream.max_ack_pending == 0 || self.jetstream.max_ack_pending < -1 {
+            return Err(ConfigError::invalid(
+                "jetstream.max_ack_pending",
+                "must be greater than 0 (or -1 for no limit): it must exceed the streams open at once in a \
+                 partition plus jetstream.pull_batch",
+            ));
         }
         if self.jetstream.pinned_client {
             // Only subject mode has consumers shared by the replicas (one per partition); in the
@@ -709,8 +770,14 @@ impl Config {
         if self.shards.max_streams == 0 {
             return Err(ConfigError::invalid("shards.max_streams", "must be greater than 0"));
         }
-        if self.shards.idle_timeout_ms == 0 || self.shards.expiry_tick_ms == 0 {
-            return Err(ConfigError::invalid("shards.idle_timeout_ms", "timeouts must be greater than 0"));
+        for (key, value) in [
+            ("shards.idle_timeout_ms", self.shards.idle_timeout_ms),
+            ("shards.expiry_tick_ms", self.shards.expiry_tick_ms),
+            ("service.shutdown_timeout_ms", self.service.shutdown_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::invalid(key, "must be greater than 0"));
+            }
         }
         crate::pipeline::Pipeline::new(self.tag_specs(), self.pipeline_limits())
             .map_err(|e| ConfigError::invalid("tags", e.to_string()))?;
@@ -922,6 +989,50 @@ mod tests {
             jail.create_file("d.toml", "[[tags]]\nname = \"a:b\"\nkind = \"block\"\n")?;
             let err = Config::load(Some(Path::new("d.toml")), &[]).unwrap_err().to_string();
             assert!(err.contains("tags") && err.contains("a:b"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn values_that_would_misbehave_later_are_refused_by_key() {
+        // In a jail: other tests set environment variables the load would read.
+        Jail::expect_with(|_| {
+            let refused = |flags: &[&str]| {
+                let flags: Vec<String> = flags.iter().map(|f| (*f).to_owned()).collect();
+                Config::load(None, &flags).unwrap_err().to_string()
+            };
+            for (flags, key) in [
+                (&["jetstream.max_ack_pending=0"][..], "jetstream.max_ack_pending"),
+                (&["jetstream.max_ack_pending=-2"], "jetstream.max_ack_pending"),
+                (&["service.shutdown_timeout_ms=0"], "service.shutdown_timeout_ms"),
+                (&["shards.expiry_tick_ms=0"], "shards.expiry_tick_ms"),
+                (&["shards.idle_timeout_ms=0"], "shards.idle_timeout_ms"),
+                (
+                    &[
+                        "partitions.mode=\"filter\"",
+                        "partitions.count=4",
+                        "partitions.replica_count=5",
+                        "partitions.replica_index=4",
+                    ],
+                    "partitions.replica_index",
+                ),
+                (&["partitions.owned=[\"1\"]", "partitions.replica_count=2"], "partitions.owned"),
+            ] {
+                let err = refused(flags);
+                assert!(err.contains(&format!("`{key}`")), "{flags:?}: {err}");
+            }
+            assert!(Config::load(None, &["jetstream.max_ack_pending=-1".into()]).is_ok(), "-1: no limit");
+            // A replica owning nothing may stand by for the others' partitions.
+            let standby = [
+                "partitions.mode=\"subject\"",
+                "partitions.count=1",
+                "partitions.replica_count=2",
+                "partitions.replica_index=1",
+                "jetstream.enabled=true",
+                "jetstream.pinned_client=true",
+            ];
+            let standby: Vec<String> = standby.iter().map(|f| (*f).to_owned()).collect();
+            Config::load(None, &standby).unwrap();
             Ok(())
         });
     }
@@ -1144,6 +1255,25 @@ mod tests {
             {
                 let nats = Config::load(None, &[flag.into()]).map_err(|e| format!("{flag}: {e}"))?.nats;
                 assert_eq!(nats.token.as_deref(), Some(expected), "{flag}");
+            }
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn one_server_url_may_be_a_string_and_load_errors_mask_nats_values() {
+        Jail::expect_with(|jail| {
+            jail.set_env("STRUCTURED_SINK__NATS__SERVERS", "nats://sink:hunter2@nats:4222");
+            let servers = Config::load(None, &[]).map_err(|e| e.to_string())?.nats.servers;
+            assert_eq!(servers, ["nats://sink:hunter2@nats:4222"]);
+            jail.clear_env();
+            // A value of the wrong type is quoted by figment's message, masked in the nats section.
+            for (flag, shown) in
+                [("nats.tls=nats://sink:hunter2@nats:4222", "\"***\""), ("input.subjects=hunter2", "hunter2")]
+            {
+                let err = Config::load(None, &[flag.into()]).unwrap_err().to_string();
+                assert!(err.contains(shown), "{flag}: {err}");
+                assert_eq!(err.contains("hunter2"), !flag.starts_with("nats."), "{flag}: {err}");
             }
             Ok(())
         });

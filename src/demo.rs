@@ -207,5 +207,5 @@ fn toml_tags(text: &str) -> Result<Config, DemoError> {
     figment::Figment::from(Serialized::defaults(Config::default()))
         .merge(Toml::string(text))
         .extract()
-        .map_err(|e| DemoError::Config(crate::config::ConfigError::Load(Box::new(e))))
+        .map_err(|e| DemoError::Config(e.into()))
 }

@@ -29,8 +29,10 @@ pub struct NatsConfig {
     /// Credentials may be given in a URL (`nats://user:password@host:4222`, or
     /// `nats://token@host:4222`, percent-encoded where needed); every URL that carries some must
     /// carry the same, they count as one kind of authentication, and they are masked wherever the
-    /// configuration or a server address is printed or logged. Must not be empty.
+    /// configuration or a server address is printed or logged. Must not be empty. One URL may be
+    /// given as a plain string (`STRUCTURED_SINK__NATS__SERVERS=nats://nats:4222`).
     /// Default: `["nats://127.0.0.1:4222"]`.
+    #[serde(deserialize_with = "one_or_many")]
     pub servers: Vec<String>,
 
     /// Name this connection reports to the server; it appears in the server's connection list
@@ -360,6 +362,20 @@ fn percent_decoded(text: &str) -> String {
         }
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A list of strings, or one string as a list of one.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(deserializer)? {
+        OneOrMany::One(url) => vec![url],
+        OneOrMany::Many(urls) => urls,
+    })
 }
 
 /// Masks the secret part of the user info in a server URL: the password of `user:password@`,
