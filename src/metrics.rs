@@ -286,6 +286,11 @@ const STREAM_PARTITION_CONFLICTS: MetricDef = MetricDef {
     help: "Events of an open stream that arrived from another input partition than its first event.",
     kind: MetricType::Counter,
 };
+const PAYLOADS_OMITTED: MetricDef = MetricDef {
+    name: "forwarded_payloads_omitted_total",
+    help: "Dead letters and pass-through events published without their payload, which with the headers would have exceeded the server's max_payload.",
+    kind: MetricType::Counter,
+};
 const CAPTURES_OVERFLOWED: MetricDef = MetricDef {
     name: "captures_overflowed_total",
     help: "Captured blocks that hit their byte limit and completed unsuccessfully.",
@@ -453,6 +458,8 @@ pub struct MetricsSnapshot {
     pub streams_closed: BTreeMap<&'static str, u64>,
     /// `stream_partition_conflicts_total`.
     pub stream_partition_conflicts: u64,
+    /// `forwarded_payloads_omitted_total`.
+    pub payloads_omitted: u64,
     /// `captures_overflowed_total`.
     pub captures_overflowed: u64,
     /// `captures_unclosed_total`.
@@ -513,6 +520,7 @@ pub struct Metrics {
     streams_opened: Counter,
     streams_closed: CounterFamily<CloseReason>,
     stream_partition_conflicts: Counter,
+    payloads_omitted: Counter,
     captures_overflowed: Counter,
     captures_unclosed: Counter,
     finals_diverged: Counter,
@@ -545,6 +553,7 @@ impl Metrics {
             streams_opened: Counter::default(),
             streams_closed: CounterFamily::new(),
             stream_partition_conflicts: Counter::default(),
+            payloads_omitted: Counter::default(),
             captures_overflowed: Counter::default(),
             captures_unclosed: Counter::default(),
             finals_diverged: Counter::default(),
@@ -633,6 +642,11 @@ impl Metrics {
         self.stream_partition_conflicts.add(n);
     }
 
+    /// Counts one dead letter or pass-through event published without its payload.
+    pub fn count_payload_omitted(&self) {
+        self.payloads_omitted.add(1);
+    }
+
     /// Counts `n` upstream error texts cut to their limit.
     pub fn count_error_texts_cut(&self, n: u64) {
         self.error_texts_cut.add(n);
@@ -679,6 +693,7 @@ impl Metrics {
             streams_opened: self.streams_opened.get(),
             streams_closed: self.streams_closed.snapshot(),
             stream_partition_conflicts: self.stream_partition_conflicts.get(),
+            payloads_omitted: self.payloads_omitted.get(),
             captures_overflowed: self.captures_overflowed.get(),
             captures_unclosed: self.captures_unclosed.get(),
             finals_diverged: self.finals_diverged.get(),
@@ -708,6 +723,7 @@ impl Metrics {
         out.scalar(STREAMS_OPENED, s.streams_opened);
         out.family::<CloseReason>(STREAMS_CLOSED, &s.streams_closed);
         out.scalar(STREAM_PARTITION_CONFLICTS, s.stream_partition_conflicts);
+        out.scalar(PAYLOADS_OMITTED, s.payloads_omitted);
         out.scalar(CAPTURES_OVERFLOWED, s.captures_overflowed);
         out.scalar(CAPTURES_UNCLOSED, s.captures_unclosed);
         out.scalar(FINALS_DIVERGED, s.finals_diverged);
@@ -801,7 +817,7 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 21] = [
+    const ALL_DEFS: [MetricDef; 22] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
@@ -812,6 +828,7 @@ mod tests {
         STREAMS_OPENED,
         STREAMS_CLOSED,
         STREAM_PARTITION_CONFLICTS,
+        PAYLOADS_OMITTED,
         CAPTURES_OVERFLOWED,
         CAPTURES_UNCLOSED,
         FINALS_DIVERGED,
@@ -894,6 +911,7 @@ mod tests {
         m.count_text_overflows(7);
         m.count_error_texts_cut(8);
         m.count_stream_partition_conflicts(9);
+        m.count_payload_omitted();
         m.count_connection_event(ConnectionEventKind::Disconnected);
         m.count_shard_inbox_full();
 
@@ -912,7 +930,7 @@ mod tests {
         assert_eq!(s.streams_closed["expired"], 2);
         assert_eq!(s.streams_closed_total(), 2);
         assert_eq!((s.captures_overflowed, s.captures_unclosed, s.finals_diverged, s.text_overflows), (4, 5, 6, 7));
-        assert_eq!((s.error_texts_cut, s.stream_partition_conflicts), (8, 9));
+        assert_eq!((s.error_texts_cut, s.stream_partition_conflicts, s.payloads_omitted), (8, 9, 1));
         assert_eq!(s.nats_connection_events["disconnected"], 1);
         assert_eq!(s.shard_inbox_full, 1);
 

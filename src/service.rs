@@ -49,6 +49,9 @@ pub const ERROR_HEADER: &str = "Structured-Sink-Error";
 pub const ERROR_DETAIL_HEADER: &str = "Structured-Sink-Error-Detail";
 /// Header giving the subject a dead-lettered or passed-through event arrived on.
 pub const SOURCE_SUBJECT_HEADER: &str = "Structured-Sink-Source-Subject";
+/// Header of a dead letter or pass-through event published without its payload, which with the
+/// headers would have exceeded the server's `max_payload`: the payload's size in bytes.
+pub const PAYLOAD_OMITTED_HEADER: &str = "Structured-Sink-Payload-Omitted";
 /// W3C trace context headers carried from input to output.
 const TRACE_HEADERS: [HeaderName; 2] = [HeaderName::from_static("traceparent"), HeaderName::from_static("tracestate")];
 
@@ -746,17 +749,30 @@ impl NatsSink {
         payload: Bytes,
         input: Input,
     ) {
+        if let Some(sequence) = input.sequence {
+            if headers.get(async_nats::header::NATS_MESSAGE_ID).is_none() {
+                // A stream name holds no line break (the server refuses one), nor does a number.
+                if let Some(id) = bus::header_value(format!("{}:{sequence}", self.input_stream)) {
+                    headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+                }
+            }
+        }
+        // The headers added here can push an input that just fit the server's `max_payload` over
+        // it, and such a copy could never be published: it goes without its payload, saying so.
+        // (0: the client has no server info yet, and nothing to compare with.)
+        let max_payload = self.client.max_payload();
+        let payload = if max_payload > 0 && header_bytes(&headers) + payload.len() > max_payload {
+            headers.insert(PAYLOAD_OMITTED_HEADER, payload.len().to_string());
+            self.metrics.count_payload_omitted();
+            Bytes::new()
+        } else {
+            payload
+        };
         // Core NATS input: no sequence, no ack. (A JetStream message read during a takeover has a
         // sequence and no ack of its own: its redelivery acknowledges it, published again under
         // the same id.)
-        let Some(sequence) = input.sequence else {
+        if input.sequence.is_none() {
             return self.send(kind, subject, headers, payload).await;
-        };
-        if headers.get(async_nats::header::NATS_MESSAGE_ID).is_none() {
-            // A stream name holds no line break (the server refuses one), nor does a number.
-            if let Some(id) = bus::header_value(format!("{}:{sequence}", self.input_stream)) {
-                headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
-            }
         }
         // `captured` is false without a JetStream context.
         let stored = match self.captured(subject.as_str()).await.then_some(self.confirm.as_ref()).flatten() {
@@ -1024,6 +1040,19 @@ fn forwarded_headers(headers: Option<HeaderMap>) -> HeaderMap {
     kept
 }
 
+/// The size of `headers` on the wire, as the client checks it against `max_payload` (the
+/// `NATS/1.0` line, a line per value, the blank line).
+fn header_bytes(headers: &HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values.iter().map(|value| name.len() + value.as_str().len() + ": \r\n".len()).sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n\r\n".len() + lines
+}
+
 /// Whether `name` is a header that tells JetStream how to store the message that carries it
 /// (nats-server 2.2 to 2.12), compared without regard to case.
 fn is_publish_control(name: &str) -> bool {
@@ -1219,6 +1248,9 @@ mod tests {
         assert_eq!(names, ["App", "Nats-Msg-Id", "traceparent"]);
         assert_eq!(kept.get_all("App").map(|v| v.as_str()).collect::<Vec<_>>(), ["one", "two"]);
         assert!(forwarded_headers(None).is_empty());
+        // "NATS/1.0\r\n" + "App: one\r\n" + "App: two\r\n" + ... + "\r\n", as async-nats counts it.
+        let lines = ["App: one", "App: two", "Nats-Msg-Id: m:1", "traceparent: 00-x"];
+        assert_eq!(header_bytes(&kept), 12 + lines.iter().map(|l| l.len() + 2).sum::<usize>());
         assert!(!is_publish_control("Nats-Expected") && !is_publish_control("Nats-TTLx"));
     }
 }

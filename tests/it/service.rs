@@ -201,6 +201,51 @@ async fn pass_through_and_every_bad_input_case_in_the_input_task() {
     pass_through_and_every_bad_input_case(1).await;
 }
 
+/// An input that just fits the server's `max_payload` does not fit once the dead letter's or the
+/// pass-through copy's headers are added: the copy could never be published, and the event was
+/// lost (counted as a publish error). It now goes without its payload, with its size in
+/// `Structured-Sink-Payload-Omitted`; smaller ones keep theirs.
+#[tokio::test]
+async fn a_forwarded_copy_too_large_for_the_server_goes_without_its_payload() {
+    let server = NatsServer::builder().config("max_payload: 4096\n").start();
+    let mut config = test_config(&server.url());
+    config.input.pass_through_subject = "chat.other".into();
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut dlq = client.subscribe("chat.dlq").await.unwrap();
+    let mut other = client.subscribe("chat.other").await.unwrap();
+    client.flush().await.unwrap();
+    let invalid = |size: usize| format!("not json {}", "x".repeat(size - 9));
+    let tool = |size: usize| {
+        let head = r#"{"type":"tool-call","meta":{"message_id":"t"},"pad":""#;
+        format!("{head}{}\"}}", "x".repeat(size - head.len() - 2))
+    };
+    for payload in [invalid(4090), invalid(100)] {
+        client.publish("chat", payload.into()).await.unwrap();
+    }
+    for payload in [tool(4090), tool(100)] {
+        client.publish("chat", payload.into()).await.unwrap();
+    }
+    let dead = collect(&mut dlq, Duration::from_secs(10), |ms| ms.len() == 2).await;
+    let passed = collect(&mut other, Duration::from_secs(10), |ms| ms.len() == 2).await;
+    let metrics = service.metrics().snapshot();
+    service.shutdown().await.unwrap();
+    for (copies, what) in [(&dead, "dead letters"), (&passed, "pass-through events")] {
+        let sizes: Vec<(usize, Option<String>)> = copies
+            .iter()
+            .map(|m| {
+                (
+                    m.payload.len(),
+                    m.headers.as_ref().unwrap().get("Structured-Sink-Payload-Omitted").map(|v| v.to_string()),
+                )
+            })
+            .collect();
+        assert_eq!(sizes, [(0, Some("4090".to_owned())), (100, None)], "{what}");
+    }
+    assert_eq!(dead[0].headers.as_ref().unwrap().get("Structured-Sink-Error").unwrap().as_str(), "invalid_json");
+    assert_eq!((metrics.payloads_omitted, metrics.publish_errors_total()), (2, 0));
+}
+
 async fn pass_through_and_every_bad_input_case(shards: usize) {
     let server = NatsServer::start();
     let mut config = test_config(&server.url());
