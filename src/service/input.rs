@@ -377,6 +377,10 @@ struct Rebuild {
 /// removed by the stream's limits since they were delivered), which ends the rebuild.
 const REBUILD_IDLE: Duration = Duration::from_secs(5);
 
+/// How long the core subscription's drain may go without a message before shutdown stops waiting
+/// for it to end (only a connection lost meanwhile keeps it from ending).
+const DRAIN_IDLE: Duration = Duration::from_secs(2);
+
 /// The pause before a pull stream that ended opens again, and between two attempts to open a
 /// recovery's stream read.
 const REOPEN_PAUSE: Duration = Duration::from_millis(200);
@@ -1071,11 +1075,31 @@ impl Dispatcher {
             // and hand on what was delivered. (Core NATS is at-most-once: events published during
             // the moment between that round trip and the unsubscribe can still be lost;
             // JetStream input closes that gap.)
-            round_trip(&self.sink.client).await;
-            if let Err(e) = subscriber.drain().await {
-                tracing::warn!(error = %e, "draining the subscription failed");
+            //
+            // async-nats handles a drain only while connected: with the server unreachable the
+            // subscription would never end and the shutdown would wait out its timeout, without
+            // closing the open streams. Then what the client holds is taken, and the rest left.
+            let connected = self.sink.client.connection_state() == async_nats::connection::State::Connected;
+            if connected {
+                round_trip(&self.sink.client).await;
+                if let Err(e) = subscriber.drain().await {
+                    tracing::warn!(error = %e, "draining the subscription failed");
+                }
+            } else {
+                tracing::warn!("the connection is down at shutdown: taking what the client holds, not draining");
             }
-            while let Some(input) = self.source.next().await {
+            loop {
+                // Connected, the drain ends the subscription at once; should the connection drop
+                // meanwhile, the wait is bounded as the flush and the round trip are.
+                let next = if connected {
+                    tokio::time::timeout(DRAIN_IDLE, self.source.next()).await.unwrap_or_else(|_| {
+                        tracing::warn!("the subscription's drain did not end; the connection is down");
+                        None
+                    })
+                } else {
+                    self.source.ready().flatten()
+                };
+                let Some(input) = next else { break };
                 self.take(input).await;
             }
         }

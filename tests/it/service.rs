@@ -306,6 +306,39 @@ async fn pass_through_and_every_bad_input_case(shards: usize) {
     assert!(metrics.contains("structured_sink_events_dead_lettered_total{reason=\"too_large\"} 1"), "{metrics}");
 }
 
+/// Core NATS input with the server gone: async-nats handles the subscription's drain only while
+/// connected, so the subscription never ended and the shutdown waited out its whole timeout and
+/// failed, without closing the open streams. It must end in time, in both routings.
+#[tokio::test]
+async fn core_shutdown_with_the_server_gone_ends_in_time() {
+    for shards in [1, 2] {
+        let mut server = NatsServer::start();
+        let mut config = test_config(&server.url());
+        config.shards.count = shards;
+        config.service.shutdown_timeout_ms = 15_000;
+        let service = RunningService::start(config).await.unwrap();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+        client.flush().await.unwrap();
+        client.publish("chat", r#"{"type":"partial","meta":{"message_id":"m"},"delta":"open "}"#.into()).await.unwrap();
+        let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+        assert_eq!(out.len(), 1, "the stream is open");
+        server.stop();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while service.is_ready() {
+            assert!(std::time::Instant::now() < deadline, "the service saw the connection go");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let started = std::time::Instant::now();
+        let stopped = service.shutdown().await;
+        assert!(
+            stopped.is_ok(),
+            "{shards} shard(s): stopped within the timeout: {stopped:?} after {:?}",
+            started.elapsed()
+        );
+    }
+}
+
 #[tokio::test]
 async fn idle_streams_expire_and_shutdown_closes_the_rest_in_worker_tasks() {
     idle_streams_expire_and_shutdown_closes_the_rest(2).await;
