@@ -474,6 +474,17 @@ async fn open_consumers(
             .await
             .map_err(|e| js_error(&format!("stream {} (jetstream.create_stream is false)", cfg.stream), &e))?
     };
+    // Open streams are rebuilt from the events above the ack floor, acknowledged or not (the
+    // service acknowledges all but each open stream's first event at once); a stream that deletes
+    // acknowledged messages would rebuild them with their middle missing.
+    let retention = stream.cached_info().config.retention;
+    if retention != stream::RetentionPolicy::Limits {
+        return Err(ServiceError::JetStream(format!(
+            "stream {} has {retention:?} retention, which deletes acknowledged events that rebuilding an open \
+             stream after a restart or takeover reads again; the input stream needs Limits retention",
+            cfg.stream
+        )));
+    }
     if cfg.pinned_client {
         return open_pinned_consumers(client, config, ownership, &stream).await;
     }

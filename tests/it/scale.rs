@@ -938,6 +938,27 @@ async fn forwarded_input_events_leave_the_producers_publish_controls_behind() {
     assert_eq!(kept, expected);
 }
 
+/// An input stream that deletes acknowledged messages (work-queue or interest retention) would
+/// rebuild an open stream after a restart or takeover with its middle missing: the service acknowledges
+/// all but each open stream's first event at once. Start-up refuses it, naming the retention,
+/// before creating a consumer.
+#[tokio::test]
+async fn an_input_stream_that_deletes_acknowledged_events_is_refused() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    for retention in [jetstream::stream::RetentionPolicy::WorkQueue, jetstream::stream::RetentionPolicy::Interest] {
+        let name = "CHAT_RAW".to_owned();
+        let _ = js.delete_stream(&name).await;
+        let subjects = vec!["chat.raw.p.*.*".into()];
+        js.create_stream(jetstream::stream::Config { name, subjects, retention, ..Default::default() }).await.unwrap();
+        let error = RunningService::start(jetstream_config(&server.url())).await.err().expect("refused");
+        let message = error.to_string();
+        assert!(message.contains(&format!("{retention:?} retention")), "{message}");
+        let stream = js.get_stream("CHAT_RAW").await.unwrap();
+        assert_eq!(stream.cached_info().state.consumer_count, 0, "no consumer created");
+    }
+}
+
 /// A start-up that fails (here: the HTTP port is taken) fails before anything consumes input: no
 /// stream or consumer is created, and no task is left behind to acknowledge events.
 #[tokio::test]
