@@ -246,9 +246,10 @@ fn http_port(listen: &str) -> u64 {
     listen.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("http.listen {listen:?}"))
 }
 
-/// The pod's terminationGracePeriodSeconds for a shutdown budget: whole seconds rounded up, plus 5.
+/// The pod's terminationGracePeriodSeconds for a shutdown budget: whole seconds rounded up, plus 7
+/// (the HTTP server's 1 s and the trace exporter's 5 s come after the budget, then the exit).
 fn grace_period_seconds(shutdown_timeout_ms: u64) -> u64 {
-    shutdown_timeout_ms.div_ceil(1000) + 5
+    shutdown_timeout_ms.div_ceil(1000) + 7
 }
 
 /// Each replica's owned partitions are disjoint and together cover `0..count`.

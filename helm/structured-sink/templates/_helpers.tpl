@@ -70,13 +70,14 @@ container port, the probes' and the Service's port all follow the service's own 
 
 {{/*
 The pod's terminationGracePeriodSeconds: the service's shutdown budget
-(config.service.shutdown_timeout_ms, default 10000) rounded up to whole seconds, plus 5 seconds
-for the process to exit after it, so Kubernetes never kills a shutdown that keeps its budget.
+(config.service.shutdown_timeout_ms, default 10000) rounded up to whole seconds, plus 7 seconds
+for what follows it (up to 1 s for open HTTP connections, up to 5 s for the trace exporter's last
+flush, and the exit), so Kubernetes never kills a shutdown that keeps its budget.
 */}}
 {{- define "structured-sink.terminationGracePeriodSeconds" -}}
 {{- $ms := 10000 }}
 {{- with .Values.config.service }}{{ if hasKey . "shutdown_timeout_ms" }}{{ $ms = .shutdown_timeout_ms }}{{ end }}{{ end }}
-{{- add (div (add (int64 $ms) 999) 1000) 5 }}
+{{- add (div (add (int64 $ms) 999) 1000) 7 }}
 {{- end }}
 
 {{/*
