@@ -577,7 +577,32 @@ async fn open_pinned_consumers(
         let subject = ownership.partition_subject(partition);
         let existing: Option<jetstream::consumer::PullConsumer> = stream.get_consumer(&name).await.ok();
         let consumer = match existing {
-            Some(consumer) if consumer.cached_info().config.priority_policy == PriorityPolicy::PinnedClient => consumer,
+            Some(consumer) if consumer.cached_info().config.priority_policy == PriorityPolicy::PinnedClient => {
+                // Reused as the other replicas pull from it; settings changed since it was created
+                // are applied to it, so that the server's pin timeout is the one this replica's
+                // pull renewals and lapse check are timed by.
+                let server = &consumer.cached_info().config;
+                let ack_wait = Duration::from_millis(cfg.ack_wait_ms);
+                if server.priority_timeout == ttl
+                    && server.ack_wait == ack_wait
+                    && server.max_ack_pending == cfg.max_ack_pending
+                {
+                    consumer
+                } else {
+                    let updated = jetstream::consumer::Config {
+                        priority_timeout: ttl,
+                        ack_wait,
+                        max_ack_pending: cfg.max_ack_pending,
+                        ..server.clone()
+                    };
+                    tracing::info!(consumer = %name, "applying changed pinned_ttl_ms, ack_wait_ms or max_ack_pending to the consumer");
+                    stream
+                        .update_consumer(updated)
+                        .await
+                        .map_err(|e| js_error(&format!("updating consumer {name}"), &e))?;
+                    stream.get_consumer(&name).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?
+                }
+            }
             existing => {
                 let start = match existing {
                     Some(_) => restart_point(stream, &name).await,

@@ -711,6 +711,39 @@ async fn pinned_client_standby_owning_nothing_with_one_shard_takes_over() {
     pinned_takeover(1, 1).await;
 }
 
+/// `jetstream.pinned_client` reuses a partition's consumer, which the other replicas pull from.
+/// Settings changed since it was created (`pinned_ttl_ms`, `ack_wait_ms`, `max_ack_pending`) were
+/// never applied to it, so the server's pin timeout and the replica's pull renewals (a third of
+/// its own setting) could disagree and the pin lapse between pulls. A restart applies them.
+#[tokio::test]
+async fn a_pinned_consumer_takes_changed_settings_at_restart() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    if server.version() < (2, 11, 0) {
+        assert_pinned_client_refused(&server).await;
+        return;
+    }
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    let mut config = one_partition_config(&server.url());
+    config.jetstream.pinned_client = true;
+    let settings = |config: &mut Config, ttl_ms: u64, ack_wait_ms: u64, max_ack_pending: i64| {
+        config.jetstream.pinned_ttl_ms = ttl_ms;
+        config.jetstream.ack_wait_ms = ack_wait_ms;
+        config.jetstream.max_ack_pending = max_ack_pending;
+    };
+    for (ttl_ms, ack_wait_ms, max_ack_pending) in [(3_000, 60_000, 5_000), (9_000, 90_000, 7_000)] {
+        settings(&mut config, ttl_ms, ack_wait_ms, max_ack_pending);
+        let service = RunningService::start(config.clone()).await.unwrap();
+        let stream = js.get_stream("CHAT_RAW").await.unwrap();
+        let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer("structured-sink-p0").await.unwrap();
+        let applied = consumer.info().await.unwrap().config.clone();
+        service.shutdown().await.unwrap();
+        assert_eq!(
+            (applied.priority_timeout, applied.ack_wait, applied.max_ack_pending),
+            (Duration::from_millis(ttl_ms), Duration::from_millis(ack_wait_ms), max_ack_pending)
+        );
+    }
+}
+
 /// With a server older than 2.11, start-up refuses `jetstream.pinned_client` with a clear error,
 /// before creating anything.
 pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
