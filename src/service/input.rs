@@ -3,7 +3,7 @@
 //! A [`Source`] is a core NATS subscription or a JetStream pull consumer. Each source has one
 //! [`Dispatcher`] task: it decodes events (bad ones are dead-lettered here), drops those of
 //! partitions other replicas own (filter mode), checks that a partition subject's last token is
-//! the event's message id (subject mode), and routes the rest by message id to a shard worker;
+//! the event's message id in its partition (subject mode), and routes the rest by message id to a shard worker;
 //! with one source and one shard it owns the shard and applies each event itself ([`Route`]).
 //!
 //! Partitions follow the server's `{{partition(P,1)}}` mapping: FNV-1a 32-bit of the subject
@@ -57,7 +57,8 @@ pub struct Ownership {
 enum Verdict {
     Owned,
     NotOwned,
-    /// Subject mode: the subject's last token is not the escaped message id.
+    /// Subject mode: the subject's last token is not the escaped message id, or its partition
+    /// token is not that id's partition.
     TokenMismatch,
 }
 
@@ -85,11 +86,20 @@ impl Ownership {
     fn verdict(&self, subject: &str, message_id: &str) -> Verdict {
         match self.mode {
             PartitionMode::None => Verdict::Owned,
-            // The subscription or consumer filter already selected the partition.
-            PartitionMode::Subject if subject.rsplit('.').next() == Some(escape_token(message_id).as_ref()) => {
-                Verdict::Owned
+            // The subscription or consumer filter already selected the partition; an event
+            // published straight to a partition subject must name its id's own, or two replicas
+            // would each keep a stream of that id.
+            PartitionMode::Subject => {
+                let token = escape_token(message_id);
+                let mut tokens = subject.rsplit('.');
+                let named = tokens.next() == Some(token.as_ref());
+                let partition = tokens.next().and_then(|p| p.parse::<u32>().ok());
+                if named && partition == Some(partition_of(&token, self.count)) {
+                    Verdict::Owned
+                } else {
+                    Verdict::TokenMismatch
+                }
             }
-            PartitionMode::Subject => Verdict::TokenMismatch,
             PartitionMode::Filter if self.owned[partition_of(&escape_token(message_id), self.count) as usize] => {
                 Verdict::Owned
             }
@@ -1204,8 +1214,8 @@ impl Dispatcher {
                 return;
             }
             Verdict::TokenMismatch => {
-                tracing::warn!(message_id = %event.stream.message_id, subject = %envelope.subject, "subject token is not the message id");
-                let detail = "the subject's last token is not the escaped message id";
+                tracing::warn!(message_id = %event.stream.message_id, subject = %envelope.subject, "subject tokens do not match the message id");
+                let detail = "the subject's last token is not the escaped message id, or not in its partition";
                 self.sink.dead_letter_with_detail(envelope, "invalid_message_id", detail).await;
                 return;
             }

@@ -126,6 +126,39 @@ async fn three_replicas_split_the_streams_and_match_replay() {
     assert_eq!(group(&got), expected);
 }
 
+/// Subject mode: an event published straight to a partition subject must carry its message id as
+/// the last token and that id's partition before it; otherwise two replicas could each keep a
+/// stream of that id. Only the last token was checked: one in the wrong partition was applied.
+#[tokio::test]
+async fn subject_mode_dead_letters_an_event_on_another_partitions_subject() {
+    let server = NatsServer::builder().config(mapping(8)).start();
+    let service = RunningService::start(partitioned(&server.url(), 8, 0, 1)).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut dlq = client.subscribe("chat.dlq").await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let own = structured_sink::codec::subject::partition_of("m", 8);
+    let event = r#"{"type":"partial","meta":{"message_id":"m"},"delta":"x"}"#;
+    for subject in
+        [format!("chat.raw.p.{}.m", (own + 1) % 8), "chat.raw.p.0.other".to_owned(), format!("chat.raw.p.{own}.m")]
+    {
+        client.publish(subject, event.into()).await.unwrap();
+    }
+    let dead = crate::service::collect(&mut dlq, Duration::from_secs(10), |ms| ms.len() == 2).await;
+    let out = crate::service::collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    service.shutdown().await.unwrap();
+    let reasons: Vec<(String, String)> = dead
+        .iter()
+        .map(|m| {
+            let reason = m.headers.as_ref().unwrap().get("Structured-Sink-Error").unwrap().to_string();
+            (m.subject.to_string(), reason)
+        })
+        .collect();
+    let expected = ("chat.dlq".to_owned(), "invalid_message_id".to_owned());
+    assert_eq!(reasons, [expected.clone(), expected]);
+    assert_eq!(out.len(), 1, "only the event on its own partition's subject is applied");
+}
+
 #[tokio::test]
 async fn filter_mode_agrees_with_the_server_partitions() {
     let server = NatsServer::builder().config(mapping(8)).start();
