@@ -176,9 +176,14 @@ impl RunningService {
         // With `retry_on_initial_connect` the client comes back before any connection exists, and
         // everything below needs one (the server's version and limits, the mapping probe, the
         // consumers): wait for it, as long as the client keeps trying (`nats.max_reconnects`).
-        if client.connection_state() != async_nats::connection::State::Connected {
+        // The server's INFO may land a moment after the state turns connected: until then its
+        // version and limits read as defaults (an empty version, a `max_payload` of 0).
+        let connected = |client: &async_nats::Client| {
+            client.connection_state() == async_nats::connection::State::Connected && client.try_server_info().is_some()
+        };
+        if !connected(&client) {
             tracing::warn!("waiting for a NATS server to accept the connection");
-            while client.connection_state() != async_nats::connection::State::Connected {
+            while !connected(&client) {
                 if !readiness.is_alive() {
                     return Err(ServiceError::Unreachable);
                 }
