@@ -163,8 +163,9 @@ impl<S: ShardSink> Shard<S> {
                 };
                 for p in outputs.drain(..) {
                     // The last outputs of a stream evicted to make room come first; the event did
-                    // not cause them (they must not carry its trace context).
-                    let cause = (p.stream_id() == own).then_some(&envelope);
+                    // not cause them (they must not carry its trace context). Only an event that
+                    // opened its stream can have evicted one: the others skip the comparison.
+                    let cause = (!opening || p.stream_id() == own).then_some(&envelope);
                     sink.publish(p, cause).await;
                 }
                 sink.applied(&event.stream.stream_id, envelope, standing).await;
