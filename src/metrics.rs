@@ -288,7 +288,8 @@ const STREAM_PARTITION_CONFLICTS: MetricDef = MetricDef {
 };
 const PAYLOADS_OMITTED: MetricDef = MetricDef {
     name: "forwarded_payloads_omitted_total",
-    help: "Dead letters and pass-through events published without their payload, which with the headers would have exceeded the server's max_payload.",
+    help:
+        "Dead letters and pass-through events sent without their payload, too large for max_payload with the headers.",
     kind: MetricType::Counter,
 };
 const CAPTURES_OVERFLOWED: MetricDef = MetricDef {

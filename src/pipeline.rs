@@ -3,8 +3,8 @@
 //! A [`Pipeline`] holds what all streams share (the registered tags, the limits, scratch buffers,
 //! counters); a [`StreamState`] holds one stream's progress and stays small (well under 1 KiB plus
 //! its captured payload, held bytes and the visible text it retains for the cumulative `text`
-//! (up to `max_text_bytes`, none with [`CumulativeText::Never`]). Feeding a delta or finishing a stream writes [`Output`]s,
-//! in stream order, into an [`Emit`] sink the caller passes in.
+//! (up to `max_text_bytes`, none with [`CumulativeText::Never`]). Feeding a delta or finishing a
+//! stream writes [`Output`]s, in stream order, into an [`Emit`] sink the caller passes in.
 //!
 //! This module knows nothing of tokio, NATS, protobuf or wall-clock time, nor of stream ids and
 //! metadata: the caller attaches those when it encodes an output.

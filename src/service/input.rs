@@ -3,8 +3,9 @@
 //! A [`Source`] is a core NATS subscription or a JetStream pull consumer. Each source has one
 //! [`Dispatcher`] task: it decodes events (bad ones are dead-lettered here), drops those of
 //! partitions other replicas own (filter mode), checks that a partition subject's last token is
-//! the event's message id in its partition (subject mode), and routes the rest by message id to a shard worker;
-//! with one source and one shard it owns the shard and applies each event itself ([`Route`]).
+//! the event's message id and its partition token that id's (subject mode), and routes the rest
+//! by message id to a shard worker; with one source and one shard it owns the shard and applies
+//! each event itself ([`Route`]).
 //!
 //! Partitions follow the server's `{{partition(P,1)}}` mapping: FNV-1a 32-bit of the subject
 //! token modulo P, the token being the message id escaped with
