@@ -883,6 +883,22 @@ async fn input_ack_pending(input: &jetstream::stream::Stream) -> usize {
     pending
 }
 
+/// An event passed through and one dead-lettered, as (message id, payload).
+const FORWARDED_EVENTS: [(&str, &str); 2] =
+    [("m-pass", r#"{"type":"tool-call","meta":{"message_id":"m-pass"}}"#), ("m-dead", "not json")];
+
+/// A JetStream replica that passes non-text events through to `chat.passthrough`, and its input
+/// stream.
+async fn forwarding_replica(
+    server: &NatsServer,
+    js: &jetstream::Context,
+) -> (RunningService, jetstream::stream::Stream) {
+    let mut config = jetstream_config(&server.url());
+    config.input.pass_through_subject = "chat.passthrough".into();
+    let service = RunningService::start(config).await.unwrap();
+    (service, js.get_stream("CHAT_RAW").await.unwrap())
+}
+
 /// JetStream input whose dead letters and pass-through events a stream stores: an input event is
 /// acknowledged only once that stream has confirmed storing it. The stream first takes one
 /// message only (`discard = new`), so the second forwarded event is refused: its input must stay
@@ -902,13 +918,8 @@ async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
         ..Default::default()
     };
     let mut forwarded = js.create_stream(forwarded_config(1)).await.unwrap();
-    let mut config = jetstream_config(&server.url());
-    config.input.pass_through_subject = "chat.passthrough".into();
-    let service = RunningService::start(config).await.unwrap();
-    let input = js.get_stream("CHAT_RAW").await.unwrap();
-
-    let events = [("m-pass", r#"{"type":"tool-call","meta":{"message_id":"m-pass"}}"#), ("m-dead", "not json")];
-    for (id, payload) in events {
+    let (service, input) = forwarding_replica(&server, &js).await;
+    for (id, payload) in FORWARDED_EVENTS {
         js.publish(format!("chat.raw.{id}"), payload.into()).await.unwrap().await.unwrap();
     }
     let stored = |stream: &mut jetstream::stream::Stream| {
@@ -969,13 +980,8 @@ async fn forwarded_input_events_leave_the_producers_publish_controls_behind() {
         .create_stream(jetstream::stream::Config { name: "FORWARDED".into(), subjects, ..Default::default() })
         .await
         .unwrap();
-    let mut config = jetstream_config(&server.url());
-    config.input.pass_through_subject = "chat.passthrough".into();
-    let service = RunningService::start(config).await.unwrap();
-    let input = js.get_stream("CHAT_RAW").await.unwrap();
-
-    let events = [("m-pass", r#"{"type":"tool-call","meta":{"message_id":"m-pass"}}"#), ("m-dead", "not json")];
-    for (id, payload) in events {
+    let (service, input) = forwarding_replica(&server, &js).await;
+    for (id, payload) in FORWARDED_EVENTS {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("Nats-Expected-Stream", "CHAT_RAW");
         headers.insert("App-Id", id);
