@@ -18,7 +18,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,9 +49,14 @@ pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8
 
 /// Whether the service can do its job: connected to NATS and subscribed to its input. Shared
 /// (`Arc`) between the service, which sets it, and `/readyz`, which reads it. Both start false.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Readiness {
-    connected: AtomicBool,
+    /// Asks the connection whether it is up, on every `/readyz`. Not a flag kept from the
+    /// client's connected/disconnected events: the client drops events when its event queue
+    /// is full (a burst of slow-consumer reports fills it), and a flag that missed the
+    /// reconnect would keep the service out of rotation for good. `None` (no client yet) is
+    /// not connected.
+    connection: OnceLock<ConnectionProbe>,
     subscribed: AtomicBool,
     /// The NATS connection is closed for good (`nats.max_reconnects` ran out): nothing will
     /// bring it back, so the process is no longer alive in the orchestrator's sense.
@@ -67,10 +72,15 @@ impl Readiness {
         Self::default()
     }
 
-    /// Records whether the NATS connection is up (set on the client's connected and disconnected
-    /// events).
-    pub fn set_connected(&self, connected: bool) {
-        self.connected.store(connected, Ordering::Relaxed);
+    /// Follows the NATS connection through `is_connected`, asked on every readiness check (it
+    /// should be cheap: a state read, no IO). Set once, when the client exists; later calls are
+    /// ignored.
+    pub fn follow_connection(&self, is_connected: impl Fn() -> bool + Send + Sync + 'static) {
+        let _ = self.connection.set(Box::new(is_connected));
+    }
+
+    fn is_connected(&self) -> bool {
+        self.connection.get().is_some_and(|is_connected| is_connected())
     }
 
     /// Records whether the input subscriptions are active (set false when draining at shutdown).
@@ -113,11 +123,24 @@ impl Readiness {
 
     /// Why the service is not ready, in one line, or `None` when it is.
     pub fn not_ready_reason(&self) -> Option<&'static str> {
-        match (self.connected.load(Ordering::Relaxed), self.subscribed.load(Ordering::Relaxed)) {
+        match (self.is_connected(), self.subscribed.load(Ordering::Relaxed)) {
             (true, true) => None,
             (false, _) => Some("not connected to NATS"),
             (true, false) => Some("not subscribed to the input subjects"),
         }
+    }
+}
+
+type ConnectionProbe = Box<dyn Fn() -> bool + Send + Sync>;
+
+impl std::fmt::Debug for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readiness")
+            .field("connected", &self.is_connected())
+            .field("subscribed", &self.subscribed.load(Ordering::Relaxed))
+            .field("connection_lost", &self.connection_lost.load(Ordering::Relaxed))
+            .field("shard_lost", &self.shard_lost.load(Ordering::Relaxed))
+            .finish()
     }
 }
 
@@ -307,7 +330,11 @@ mod tests {
         let (status, _, body) = server.request("GET", "/readyz").await;
         assert_eq!((status, body.as_str()), (503, "not connected to NATS\n"));
 
-        server.readiness.set_connected(true);
+        let connected = Arc::new(AtomicBool::new(true));
+        server.readiness.follow_connection({
+            let connected = connected.clone();
+            move || connected.load(Ordering::Relaxed)
+        });
         let (status, _, body) = server.request("GET", "/readyz").await;
         assert_eq!((status, body.as_str()), (503, "not subscribed to the input subjects\n"));
 
@@ -316,9 +343,13 @@ mod tests {
         let (status, _, body) = server.request("GET", "/readyz").await;
         assert_eq!((status, body.as_str()), (200, "ready\n"));
 
-        server.readiness.set_connected(false);
-        let (status, _, _) = server.request("GET", "/readyz").await;
-        assert_eq!(status, 503);
+        // The connection is asked on every check: nothing has to report the change.
+        connected.store(false, Ordering::Relaxed);
+        let (status, _, body) = server.request("GET", "/readyz").await;
+        assert_eq!((status, body.as_str()), (503, "not connected to NATS\n"));
+        connected.store(true, Ordering::Relaxed);
+        assert_eq!(server.request("GET", "/readyz").await.0, 200);
+        connected.store(false, Ordering::Relaxed);
         // Liveness does not depend on readiness, only on the connection being recoverable.
         assert_eq!(server.request("GET", "/healthz").await.0, 200);
         server.readiness.set_connection_lost();

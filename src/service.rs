@@ -145,14 +145,10 @@ impl RunningService {
                 if let Some(kind) = ConnectionEventKind::from_label(event.kind()) {
                     metrics.count_connection_event(kind);
                 }
-                match event {
-                    ConnectionEvent::Connected => readiness.set_connected(true),
-                    ConnectionEvent::Disconnected => readiness.set_connected(false),
-                    ConnectionEvent::Closed => {
-                        readiness.set_connected(false);
-                        readiness.set_connection_lost();
-                    }
-                    _ => {}
+                // Readiness asks the client for its state instead (`follow_connection`): the
+                // client drops events when its queue is full.
+                if event == ConnectionEvent::Closed {
+                    readiness.set_connection_lost();
                 }
             }
         };
@@ -173,6 +169,10 @@ impl RunningService {
             false => None,
         };
         let client = bus::connect(&config.nats, events).await?;
+        readiness.follow_connection({
+            let client = client.clone();
+            move || client.connection_state() == async_nats::connection::State::Connected
+        });
         // With `retry_on_initial_connect` the client comes back before any connection exists, and
         // everything below needs one (the server's version and limits, the mapping probe, the
         // consumers): wait for it, as long as the client keeps trying (`nats.max_reconnects`).
@@ -190,7 +190,6 @@ impl RunningService {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        readiness.set_connected(true);
         let max_payload = client.server_info().max_payload;
         tracing::info!(
             // Masked: a URL may carry credentials.

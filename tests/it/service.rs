@@ -324,11 +324,7 @@ async fn core_shutdown_with_the_server_gone_ends_in_time() {
         let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
         assert_eq!(out.len(), 1, "the stream is open");
         server.stop();
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while service.is_ready() {
-            assert!(std::time::Instant::now() < deadline, "the service saw the connection go");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_until(Duration::from_secs(20), "the service saw the connection go", || !service.is_ready()).await;
         let started = std::time::Instant::now();
         let stopped = service.shutdown().await;
         assert!(
@@ -336,6 +332,34 @@ async fn core_shutdown_with_the_server_gone_ends_in_time() {
             "{shards} shard(s): stopped within the timeout: {stopped:?} after {:?}",
             started.elapsed()
         );
+    }
+}
+
+/// Readiness asks the client for its state (the client may drop its connection events): it
+/// follows the server away and back, and the service works again afterwards.
+#[tokio::test]
+async fn readiness_follows_the_connection_across_a_server_restart() {
+    let mut server = NatsServer::start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    assert!(service.is_ready());
+    server.stop();
+    wait_until(Duration::from_secs(20), "not ready without a server", || !service.is_ready()).await;
+    server.restart();
+    wait_until(Duration::from_secs(20), "ready once reconnected", || service.is_ready()).await;
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    client.publish("chat", r#"{"type":"partial","meta":{"message_id":"m"},"delta":"back"}"#.into()).await.unwrap();
+    let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    assert_eq!(out.len(), 1, "the input subscription is restored");
+    service.shutdown().await.unwrap();
+}
+
+async fn wait_until(limit: Duration, what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
