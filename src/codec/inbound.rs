@@ -278,9 +278,9 @@ struct Wire<'a> {
     #[serde(rename = "type", borrow)]
     kind: Option<Str<'a>>,
     #[serde(borrow, default)]
-    meta: Option<WireMeta<'a>>,
+    meta: Option<Object<WireMeta<'a>>>,
     #[serde(borrow, default)]
-    correlation: Option<WireCorrelation<'a>>,
+    correlation: Option<Object<WireCorrelation<'a>>>,
     #[serde(borrow, default)]
     delta: Option<Str<'a>>,
     /// Cumulative on deltas (`text-delta`), whole on finals: kept raw and decoded only for the
@@ -315,6 +315,27 @@ struct WireCorrelation<'a> {
     segment_id: Option<Str<'a>>,
     #[serde(borrow, default)]
     provider_call_id: Option<Str<'a>>,
+}
+
+/// A struct read from a JSON object only. serde's derive also takes an array, field by field in
+/// declaration order (`["partial",{"message_id":"m"},null,"hi"]` would be a delta): no producer
+/// means that, and the reader refuses it too.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Visitor<T> {
+            type Value = Object<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(Object)
+            }
+        }
+        deserializer.deserialize_map(Visitor(std::marker::PhantomData))
+    }
 }
 
 fn non_empty(v: Option<Cow<'_, str>>) -> Option<Cow<'_, str>> {
@@ -415,9 +436,9 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
 /// The fields as serde_json reads them: the reference for [`reader::read`], and the decoder of
 /// every payload that reader leaves to it.
 fn read_with_serde(payload: &[u8]) -> Result<Fields<'_>, DecodeError> {
-    let wire: Wire<'_> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
-    let meta = wire.meta.unwrap_or_default();
-    let correlation = wire.correlation.unwrap_or_default();
+    let Object(wire): Object<Wire<'_>> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
+    let meta = wire.meta.map(|Object(meta)| meta).unwrap_or_default();
+    let correlation = wire.correlation.map(|Object(correlation)| correlation).unwrap_or_default();
     Ok(Fields {
         kind: cow(wire.kind),
         delta: cow(wire.delta),
@@ -642,6 +663,11 @@ mod tests {
             (b"not json at all SECRET", "invalid_json"),
             (b"[1,2]", "not_an_object"),
             (b"\"SECRET\"", "not_an_object"),
+            // serde's derive takes an array for a struct, field by field: never an event.
+            (br#"["partial",{"message_id":"m"},null,"SECRET"]"#, "not_an_object"),
+            (br#" ["tool-call",{"message_id":"m"}]"#, "not_an_object"),
+            (br#"{"type":"partial","meta":["m"],"delta":"SECRET"}"#, "wrong_field_type"),
+            (br#"{"type":"partial","meta":{"message_id":"m"},"correlation":["s"],"delta":"x"}"#, "wrong_field_type"),
             (br#"{"type":"partial","meta":{"message_id":"m"},"delta":5}"#, "wrong_field_type"),
             (br#"{"type":"partial","meta":{"message_id":"m"}}"#, "missing_field"),
             (br#"{"type":"partial","meta":{}}"#, "missing_message_id"),
