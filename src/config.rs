@@ -695,6 +695,24 @@ impl Config {
                 "give partitions.owned or partitions.replica_index and replica_count, not both",
             ));
         }
+        // Unpartitioned, every replica applies every event: replicas would publish each output
+        // once each. (Several unpartitioned instances on different input subjects are fine: they
+        // say nothing of each other here.)
+        if self.partitions.mode == PartitionMode::None
+            && (self.partitions.replica_count > 1 || !self.partitions.owned.is_empty())
+        {
+            let (key, what) = match self.partitions.owned.is_empty() {
+                true => ("partitions.replica_count", format!("{} replicas", self.partitions.replica_count)),
+                false => ("partitions.owned", "owned partitions".to_owned()),
+            };
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "{what} with partitions.mode = \"none\": every replica would apply every event and \
+                     publish every output again; set partitions.mode to \"subject\" or \"filter\""
+                ),
+            ));
+        }
         // A replica that owns nothing would report ready and consume nothing (with pinned_client
         // it stands by for the others' partitions: that is work).
         if self.partitions.mode != PartitionMode::None && owned.is_empty() && !self.jetstream.pinned_client {
@@ -1017,6 +1035,8 @@ mod tests {
                     "partitions.replica_index",
                 ),
                 (&["partitions.owned=[\"1\"]", "partitions.replica_count=2"], "partitions.owned"),
+                (&["partitions.replica_count=2"], "partitions.replica_count"),
+                (&["partitions.owned=[\"1\"]"], "partitions.owned"),
             ] {
                 let err = refused(flags);
                 assert!(err.contains(&format!("`{key}`")), "{flags:?}: {err}");

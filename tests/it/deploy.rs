@@ -459,6 +459,7 @@ fn values_schema_accepts_the_defaults_and_rejects_bad_values() {
         ("values.config.http.enabled", "config.http.enabled", json!(false)),
         ("values.livenessProbe.httpGet.path", "livenessProbe.httpGet.path", json!("/live")),
         ("`secretName` is required", "natsSecrets.token", json!({"key": "token"})),
+        ("below the minimum", "config.service.shutdown_timeout_ms", json!(0)),
     ];
     for (expected, key, value) in bad {
         let mut values = defaults.clone();
