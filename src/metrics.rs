@@ -307,6 +307,11 @@ const FINALS_DIVERGED: MetricDef = MetricDef {
     help: "Final events whose text did not extend the deltas already seen (the deltas won).",
     kind: MetricType::Counter,
 };
+const OUTPUTS_TRIMMED: MetricDef = MetricDef {
+    name: "outputs_trimmed_total",
+    help: "Outputs that would have exceeded the server's max_payload and went with their bulk left out.",
+    kind: MetricType::Counter,
+};
 const TEXT_OVERFLOWS: MetricDef = MetricDef {
     name: "text_overflows_total",
     help: "Streams whose retained visible text outgrew pipeline.max_text_bytes.",
@@ -469,6 +474,8 @@ pub struct MetricsSnapshot {
     pub finals_diverged: u64,
     /// `text_overflows_total`.
     pub text_overflows: u64,
+    /// `outputs_trimmed_total`.
+    pub outputs_trimmed: u64,
     /// `error_texts_cut_total`.
     pub error_texts_cut: u64,
     /// `blocks_failed_total` by [`BlockFailure`].
@@ -526,6 +533,7 @@ pub struct Metrics {
     captures_unclosed: Counter,
     finals_diverged: Counter,
     text_overflows: Counter,
+    outputs_trimmed: Counter,
     error_texts_cut: Counter,
     blocks_failed: CounterFamily<BlockFailure>,
     snapshots_skipped: Counter,
@@ -559,6 +567,7 @@ impl Metrics {
             captures_unclosed: Counter::default(),
             finals_diverged: Counter::default(),
             text_overflows: Counter::default(),
+            outputs_trimmed: Counter::default(),
             error_texts_cut: Counter::default(),
             blocks_failed: CounterFamily::new(),
             snapshots_skipped: Counter::default(),
@@ -638,6 +647,11 @@ impl Metrics {
         self.text_overflows.add(n);
     }
 
+    /// Counts `n` outputs that went with their bulk left out to fit the server's `max_payload`.
+    pub fn count_outputs_trimmed(&self, n: u64) {
+        self.outputs_trimmed.add(n);
+    }
+
     /// Counts `n` events that arrived from another input partition than their open stream's.
     pub fn count_stream_partition_conflicts(&self, n: u64) {
         self.stream_partition_conflicts.add(n);
@@ -699,6 +713,7 @@ impl Metrics {
             captures_unclosed: self.captures_unclosed.get(),
             finals_diverged: self.finals_diverged.get(),
             text_overflows: self.text_overflows.get(),
+            outputs_trimmed: self.outputs_trimmed.get(),
             error_texts_cut: self.error_texts_cut.get(),
             blocks_failed: self.blocks_failed.snapshot(),
             snapshots_skipped: self.snapshots_skipped.get(),
@@ -729,6 +744,7 @@ impl Metrics {
         out.scalar(CAPTURES_UNCLOSED, s.captures_unclosed);
         out.scalar(FINALS_DIVERGED, s.finals_diverged);
         out.scalar(TEXT_OVERFLOWS, s.text_overflows);
+        out.scalar(OUTPUTS_TRIMMED, s.outputs_trimmed);
         out.scalar(ERROR_TEXTS_CUT, s.error_texts_cut);
         out.family::<BlockFailure>(BLOCKS_FAILED, &s.blocks_failed);
         out.scalar(SNAPSHOTS_SKIPPED, s.snapshots_skipped);
@@ -818,7 +834,7 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 22] = [
+    const ALL_DEFS: [MetricDef; 23] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
@@ -834,6 +850,7 @@ mod tests {
         CAPTURES_UNCLOSED,
         FINALS_DIVERGED,
         TEXT_OVERFLOWS,
+        OUTPUTS_TRIMMED,
         ERROR_TEXTS_CUT,
         BLOCKS_FAILED,
         SNAPSHOTS_SKIPPED,
@@ -913,6 +930,7 @@ mod tests {
         m.count_error_texts_cut(8);
         m.count_stream_partition_conflicts(9);
         m.count_payload_omitted();
+        m.count_outputs_trimmed(10);
         m.count_connection_event(ConnectionEventKind::Disconnected);
         m.count_shard_inbox_full();
 
@@ -932,6 +950,7 @@ mod tests {
         assert_eq!(s.streams_closed_total(), 2);
         assert_eq!((s.captures_overflowed, s.captures_unclosed, s.finals_diverged, s.text_overflows), (4, 5, 6, 7));
         assert_eq!((s.error_texts_cut, s.stream_partition_conflicts, s.payloads_omitted), (8, 9, 1));
+        assert_eq!(s.outputs_trimmed, 10);
         assert_eq!(s.nats_connection_events["disconnected"], 1);
         assert_eq!(s.shard_inbox_full, 1);
 

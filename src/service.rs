@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{self, round_trip, BusError, ConnectionEvent};
-use crate::codec::outbound::Publication;
+use crate::codec::outbound::{Publication, OUTPUT_HEADER_ALLOWANCE};
 use crate::config::Config;
 use crate::http::{self, Readiness};
 use crate::metrics::{
@@ -201,6 +201,9 @@ impl RunningService {
 
         let registry = config.load_schemas()?;
         let (pipeline, encoder) = config.processing(&registry)?;
+        // An output over the server's limit could never be published, while its input is
+        // acknowledged: it goes with its bulk left out instead.
+        let encoder = encoder.with_max_payload(max_payload.saturating_sub(OUTPUT_HEADER_ALLOWANCE));
         let limits = config.table_limits();
         let cancel = CancellationToken::new();
         let sink_template = NatsSink {
@@ -1009,6 +1012,7 @@ impl ShardSink for NatsSink {
             table.typed.schema_mismatches - last.table.typed.schema_mismatches,
         );
         m.count_blocks_failed(BlockFailure::TooDeep, table.typed.too_deep - last.table.typed.too_deep);
+        m.count_outputs_trimmed(table.typed.payloads_omitted - last.table.typed.payloads_omitted);
         m.count_snapshots_skipped(pipeline.snapshot_budget_skips - last.pipeline.snapshot_budget_skips);
         self.reported = now;
     }

@@ -170,7 +170,14 @@ pub struct EncoderStats {
     pub schema_mismatches: u64,
     /// Completed blocks whose payload nested messages deeper than `schemas.max_depth`.
     pub too_deep: u64,
+    /// Outputs that would have exceeded the payload bound ([`OutputEncoder::with_max_payload`])
+    /// and went with parts left out.
+    pub payloads_omitted: u64,
 }
+
+/// Room kept for an output's headers (`Nats-Msg-Id`, `Content-Type`, `Structured-Sink-Type`, the
+/// trace context) under the server's `max_payload`, which bounds headers and payload together.
+pub const OUTPUT_HEADER_ALLOWANCE: usize = 4096;
 
 /// Encodes outputs of any stream of one pipeline.
 #[derive(Debug, Clone)]
@@ -181,6 +188,8 @@ pub struct OutputEncoder {
     tools: Arc<str>,
     tags: Vec<TagOut>,
     stats: EncoderStats,
+    /// The largest payload an output may have; see [`OutputEncoder::with_max_payload`].
+    max_payload: usize,
 }
 
 impl OutputEncoder {
@@ -230,7 +239,20 @@ impl OutputEncoder {
             tools: subjects.tools.as_str().into(),
             tags,
             stats: EncoderStats::default(),
+            max_payload: usize::MAX,
         }
+    }
+
+    /// Bounds every output's payload by `bytes` (the server's `max_payload` less
+    /// [`OUTPUT_HEADER_ALLOWANCE`]): an output that would exceed it goes with its bulk left out
+    /// rather than not at all, since a publish over the server's limit fails for good while the
+    /// input is acknowledged. Visible text keeps its `delta` and leaves out the cumulative `text`
+    /// (`text_omitted`); a completed block leaves out `typed` and `value`, then `raw`, and a tool
+    /// call `arguments`, then `raw` (`payload_omitted`, `success` false); a snapshot goes out
+    /// empty. Deltas are parts of one input event, which the server took, so they fit already.
+    pub fn with_max_payload(mut self, bytes: usize) -> Self {
+        self.max_payload = bytes;
+        self
     }
 
     /// Types the blocks declared in `registry` (their completed and snapshot events carry the
@@ -260,8 +282,74 @@ impl OutputEncoder {
         self.tags.get(tag).map(|t| t.subject.as_ref())
     }
 
-    /// Encodes one output of the stream `header`.
+    /// Encodes one output of the stream `header`, within the payload bound.
     pub fn encode(&mut self, header: &StreamHeader, output: &Output<'_>) -> Publication {
+        let publication = self.encode_whole(header, output);
+        match publication.payload.len() <= self.max_payload {
+            true => publication,
+            false => self.fit(header, output, publication),
+        }
+    }
+
+    /// `publication`, too large, with its bulk left out (see [`OutputEncoder::with_max_payload`]).
+    #[cold]
+    fn fit(&mut self, header: &StreamHeader, output: &Output<'_>, mut publication: Publication) -> Publication {
+        self.stats.payloads_omitted += 1;
+        let limit = self.max_payload;
+        let too_large = |what: &str| {
+            format!("{what} would exceed the server's max_payload ({limit} bytes with headers aside) and was left out")
+        };
+        publication.payload = match &output.kind {
+            OutputKind::Text { delta, finish, number, .. } => match self.text_encoding {
+                TextEncoding::GeppettoJson => geppetto_json(header, *number, delta, None, *finish),
+                TextEncoding::Protobuf => filtered_text(header, output.seq, delta, "", true, *finish),
+            },
+            _ => match publication.type_name {
+                proto::names::BLOCK_EVENT => {
+                    let mut event = proto::BlockEvent::decode(publication.payload.clone()).unwrap_or_default();
+                    match &mut event.event {
+                        Some(proto::block_event::Event::Completed(completed)) => {
+                            completed.typed = None;
+                            completed.value = None;
+                            completed.payload_omitted = true;
+                            if completed.success {
+                                completed.success = false;
+                                completed.error = too_large("the block's payload");
+                            }
+                            if event.encoded_len() > limit {
+                                if let Some(proto::block_event::Event::Completed(completed)) = &mut event.event {
+                                    completed.raw.clear();
+                                }
+                            }
+                        }
+                        Some(proto::block_event::Event::Snapshot(snapshot)) => {
+                            snapshot.value = None;
+                            snapshot.typed = None;
+                        }
+                        _ => {}
+                    }
+                    Bytes::from(event.encode_to_vec())
+                }
+                proto::names::TOOL_CALL => {
+                    let mut call = proto::ToolCall::decode(publication.payload.clone()).unwrap_or_default();
+                    call.arguments = None;
+                    call.payload_omitted = true;
+                    if call.success {
+                        call.success = false;
+                        call.error = too_large("the tool call's arguments");
+                    }
+                    if call.encoded_len() > limit {
+                        call.raw.clear();
+                    }
+                    Bytes::from(call.encode_to_vec())
+                }
+                _ => publication.payload,
+            },
+        };
+        publication
+    }
+
+    fn encode_whole(&mut self, header: &StreamHeader, output: &Output<'_>) -> Publication {
         let seq = output.seq;
         if let (TextEncoding::GeppettoJson, OutputKind::Text { delta, text, finish, number }) =
             (self.text_encoding, &output.kind)
@@ -277,7 +365,7 @@ impl OutputEncoder {
         }
         let (subject, type_name, payload) = match &output.kind {
             OutputKind::Text { delta, text, finish, .. } => {
-                let payload = filtered_text(header, seq, delta, text.unwrap_or_default(), *finish);
+                let payload = filtered_text(header, seq, delta, text.unwrap_or_default(), false, *finish);
                 (self.filtered.clone(), proto::names::FILTERED_TEXT, payload)
             }
             OutputKind::BlockStarted { item } => {
@@ -323,6 +411,7 @@ impl OutputEncoder {
                     error: error.unwrap_or_default(),
                     typed,
                     value: converted.flatten(),
+                    payload_omitted: false,
                 };
                 self.block(header, seq, *item, proto::block_event::Event::Completed(completed))
             }
@@ -488,7 +577,15 @@ fn numbered(id: &str, n: u64) -> String {
 /// `FilteredText` (the most frequent output) encoded field by field from the borrowed text, as
 /// prost encodes the message (fields in number order, defaults omitted) but without copying the
 /// text into an owned message first.
-fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finish: Option<Finish<'_>>) -> Bytes {
+/// `omitted` says the cumulative `text` was left out (as a final's `text_omitted` does).
+fn filtered_text(
+    header: &StreamHeader,
+    seq: u64,
+    delta: &str,
+    text: &str,
+    omitted: bool,
+    finish: Option<Finish<'_>>,
+) -> Bytes {
     use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
     let string_len =
         |tag: u32, s: &str| if s.is_empty() { 0 } else { key_len(tag) + encoded_len_varint(s.len() as u64) + s.len() };
@@ -524,7 +621,8 @@ fn filtered_text(header: &StreamHeader, seq: u64, delta: &str, text: &str, finis
         encode_varint(1, &mut buf);
     }
     string(6, reason, &mut buf);
-    if finish.is_some_and(|f| f.text_omitted) {
+    let omitted = omitted || finish.is_some_and(|f| f.text_omitted);
+    if omitted {
         encode_key(7, WireType::Varint, &mut buf);
         encode_varint(1, &mut buf);
     }
@@ -678,7 +776,7 @@ mod tests {
         let long = "é".repeat(100);
         for seq in [0, 1, 300, u64::MAX] {
             for delta in ["", "a", long.as_str()] {
-                for text in ["", "whole <text>"] {
+                for (text, omitted) in [("", false), ("whole <text>", false), ("", true)] {
                     for finish in [
                         None,
                         Some(Finish { reason: "stop", text_omitted: false, error: None }),
@@ -693,10 +791,10 @@ mod tests {
                             text: text.to_owned(),
                             r#final: finish.is_some(),
                             finish_reason: finish.map(|f| f.reason.to_owned()).unwrap_or_default(),
-                            text_omitted: finish.is_some_and(|f| f.text_omitted),
+                            text_omitted: omitted || finish.is_some_and(|f| f.text_omitted),
                             error: finish.and_then(|f| f.error).unwrap_or_default().to_owned(),
                         };
-                        let ours = filtered_text(&header, seq, delta, text, finish);
+                        let ours = filtered_text(&header, seq, delta, text, omitted, finish);
                         assert_eq!(ours, splice(&header, &msg), "{seq} {delta:?} {text:?} {finish:?}");
                         let decoded = proto::FilteredText::decode(ours).unwrap();
                         assert_eq!(decoded.delta, delta);
@@ -893,6 +991,77 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A publish over the server's `max_payload` fails for good while the input is acknowledged:
+    /// every output must fit, with its bulk left out when it would not.
+    #[test]
+    fn outputs_over_the_payload_bound_go_with_their_bulk_left_out() {
+        let (mut pipeline, _, header) = setup();
+        let entries: String = (0..150).map(|i| format!("k{i}: value number {i}\n")).collect();
+        let block = format!("<app:Mode.Switch:v1.2>\n{entries}</app:Mode.Switch:v1.2>");
+        let tool = format!(r#"<tool>{{"tool_name":"t","arguments":{{"x":"{}"}}}}</tool>"#, "a".repeat(2_500));
+        let prose = "word ".repeat(500);
+        // (bound, whether the block's raw payload fits it alone)
+        for (limit, raw_fits) in [(2_000, false), (4_000, true)] {
+            for encoding in [TextEncoding::Protobuf, TextEncoding::GeppettoJson] {
+                let mut encoder = OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), encoding)
+                    .with_max_payload(limit);
+                let mut published = Vec::new();
+                let mut s = StreamState::new();
+                // In deltas of 500 bytes, as events within the bound would bring them.
+                let whole = format!("{prose}{block}{tool}{prose}");
+                for piece in whole.as_bytes().chunks(500) {
+                    let piece = std::str::from_utf8(piece).unwrap();
+                    pipeline.feed(&mut s, piece, &mut |o: Output<'_>| published.push(encoder.encode(&header, &o)));
+                }
+                pipeline.finish(&mut s, None, "stop", &mut |o: Output<'_>| published.push(encoder.encode(&header, &o)));
+                let at = format!("{limit} {encoding:?}");
+                assert!(published.iter().all(|p| p.payload.len() <= limit), "{at}: every output fits");
+                // The final's cumulative text (5,000 bytes of prose).
+                let last = published.last().unwrap();
+                match encoding {
+                    TextEncoding::Protobuf => {
+                        let text = proto::FilteredText::decode(last.payload.clone()).unwrap();
+                        assert!(text.r#final && text.text_omitted && text.text.is_empty(), "{at}: {text:?}");
+                        assert_eq!(text.finish_reason, "stop");
+                    }
+                    TextEncoding::GeppettoJson => {
+                        let event: serde_json::Value = serde_json::from_slice(&last.payload).unwrap();
+                        assert_eq!(
+                            (&event["type"], &event["text"], &event["text_omitted"]),
+                            (&"final".into(), &"".into(), &true.into()),
+                            "{at}"
+                        );
+                    }
+                }
+                let completed = published
+                    .iter()
+                    .filter(|p| p.type_name == proto::names::BLOCK_EVENT)
+                    .map(|p| proto::BlockEvent::decode(p.payload.clone()).unwrap())
+                    .find_map(|e| match e.event {
+                        Some(proto::block_event::Event::Completed(c)) => Some(c),
+                        _ => None,
+                    })
+                    .expect("the block completed");
+                assert!(completed.payload_omitted && !completed.success, "{at}: {completed:?}");
+                assert!(completed.error.contains("max_payload"), "{at}: {}", completed.error);
+                assert!(completed.value.is_none() && completed.typed.is_none());
+                assert_eq!(completed.raw.len() == entries.len() + 1, raw_fits, "{at}: raw kept when it fits");
+                let call = published.iter().find(|p| p.type_name == proto::names::TOOL_CALL).expect("the call");
+                let call = proto::ToolCall::decode(call.payload.clone()).unwrap();
+                assert!(call.payload_omitted && !call.success && call.arguments.is_none(), "{at}: {call:?}");
+                assert_eq!(call.raw.is_empty(), !raw_fits, "{at}");
+                assert!(encoder.stats().payloads_omitted >= 3, "{at}");
+            }
+        }
+        // Unbounded (the default), the same input goes whole.
+        let mut encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
+        let mut s = StreamState::new();
+        pipeline.feed(&mut s, &block, &mut |o: Output<'_>| {
+            encoder.encode(&header, &o);
+        });
+        assert_eq!(encoder.stats().payloads_omitted, 0);
     }
 
     #[test]

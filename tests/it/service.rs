@@ -246,6 +246,63 @@ async fn a_forwarded_copy_too_large_for_the_server_goes_without_its_payload() {
     assert_eq!((metrics.payloads_omitted, metrics.publish_errors_total()), (2, 0));
 }
 
+/// Outputs grow past what any one input brings: a final carries the whole visible text, a
+/// completed block its whole payload parsed twice over. Over the server's `max_payload` their
+/// publish failed for good (counted as a publish error) and the stream had no final, the block no
+/// `completed`, while the input was taken. They now go with their bulk left out.
+#[tokio::test]
+async fn outputs_too_large_for_the_server_go_with_their_bulk_left_out() {
+    let server = NatsServer::builder().config("max_payload: 16384\n").start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    let mut blocks = client.subscribe("chat.structured.>").await.unwrap();
+    client.flush().await.unwrap();
+    let partial =
+        |delta: &str| serde_json::json!({"type": "partial", "meta": {"message_id": "big"}, "delta": delta}).to_string();
+    let prose = "word ".repeat(40);
+    // 20,000 bytes of visible text; a block of 300 entries (7.8 KB raw, 17 KB with its value).
+    let mut deltas = vec![prose.clone(); 100];
+    deltas.push("<myapp:ModeSwitch:v1>\n".to_owned());
+    deltas.extend((0..300).map(|i| format!("key_{i}: value number {i}\n")));
+    deltas.push("</myapp:ModeSwitch:v1>".to_owned());
+    for delta in &deltas {
+        client.publish("chat", partial(delta).into()).await.unwrap();
+    }
+    let last = r#"{"type":"final","meta":{"message_id":"big","stop_reason":"stop"}}"#;
+    client.publish("chat", last.into()).await.unwrap();
+    let texts = collect(&mut filtered, Duration::from_secs(10), |ms| {
+        ms.last().is_some_and(|m| proto::FilteredText::decode(m.payload.clone()).unwrap().r#final)
+    })
+    .await;
+    let block_events = collect(&mut blocks, Duration::from_secs(5), |ms| {
+        ms.iter().any(|m| {
+            matches!(
+                proto::BlockEvent::decode(m.payload.clone()).unwrap().event,
+                Some(proto::block_event::Event::Completed(_))
+            )
+        })
+    })
+    .await;
+    let metrics = service.metrics().snapshot();
+    service.shutdown().await.unwrap();
+
+    let last = proto::FilteredText::decode(texts.last().expect("outputs").payload.clone()).unwrap();
+    assert!(last.r#final, "the stream's final arrived");
+    assert!(last.text_omitted && last.text.is_empty(), "{:?}", (last.text_omitted, last.text.len()));
+    let completed = block_events
+        .iter()
+        .find_map(|m| match proto::BlockEvent::decode(m.payload.clone()).unwrap().event {
+            Some(proto::block_event::Event::Completed(completed)) => Some(completed),
+            _ => None,
+        })
+        .expect("the block completed");
+    assert!(completed.payload_omitted && !completed.success && completed.value.is_none(), "{completed:?}");
+    assert!(completed.raw.trim_start().starts_with("key_0: value number 0\n"), "the raw payload fits: kept");
+    assert_eq!(metrics.publish_errors_total(), 0);
+    assert!(metrics.outputs_trimmed >= 2, "{}", metrics.outputs_trimmed);
+}
+
 async fn pass_through_and_every_bad_input_case(shards: usize) {
     let server = NatsServer::start();
     let mut config = test_config(&server.url());
