@@ -519,7 +519,7 @@ async fn open_consumers(
             .collect(),
     };
     for (partition, name, subject) in names {
-        let start = restart_point(&stream, &name).await;
+        let start = restart_point(&stream, &name).await?;
         let consumer_config = partition_consumer(cfg, &name, &subject, start);
         let consumer: jetstream::consumer::Consumer<pull::Config> =
             stream.create_consumer(consumer_config).await.map_err(|e| js_error(&format!("consumer {name}"), &e))?;
@@ -586,7 +586,7 @@ async fn open_pinned_consumers(
     for (partition, is_owner) in owned.iter().map(|p| (*p, true)).chain(standby.iter().map(|p| (*p, false))) {
         let name = format!("{}-p{partition}", cfg.consumer_prefix);
         let subject = ownership.partition_subject(partition);
-        let existing: Option<jetstream::consumer::PullConsumer> = stream.get_consumer(&name).await.ok();
+        let existing = find_consumer(stream, &name).await?;
         let consumer = match existing {
             Some(consumer) if consumer.cached_info().config.priority_policy == PriorityPolicy::PinnedClient => {
                 // Reused as the other replicas pull from it; settings changed since it was created
@@ -616,7 +616,7 @@ async fn open_pinned_consumers(
             }
             existing => {
                 let start = match existing {
-                    Some(_) => restart_point(stream, &name).await,
+                    Some(_) => restart_point(stream, &name).await?,
                     None => None,
                 };
                 // Replicas starting together create the same configuration, which the server
@@ -652,15 +652,35 @@ async fn open_pinned_consumers(
 /// Where a partition's consumer resumes: right after its ack floor. The old consumer is deleted
 /// so that everything not yet acknowledged is delivered again, in stream order (a consumer would
 /// otherwise deliver new messages before redelivering those a stopped replica held).
-async fn restart_point(stream: &stream::Stream, name: &str) -> Option<u64> {
-    let mut consumer: jetstream::consumer::PullConsumer = stream.get_consumer(name).await.ok()?;
-    let info = consumer.info().await.ok()?;
-    let floor = info.ack_floor.stream_sequence;
-    if let Err(e) = stream.delete_consumer(name).await {
-        tracing::warn!(consumer = %name, error = %e, "could not delete the consumer to restart it at its ack floor");
-        return None;
+///
+/// `None` only when the consumer does not exist (a first start: from the stream's beginning). Any
+/// other failure stops the start: taken for "no consumer", it would have created the consumer
+/// anew, or, since creating one that exists with the same configuration succeeds, resumed the old
+/// one where it stood, past events of open streams that it had acknowledged.
+async fn restart_point(stream: &stream::Stream, name: &str) -> Result<Option<u64>, ServiceError> {
+    let Some(consumer) = find_consumer(stream, name).await? else { return Ok(None) };
+    let floor = consumer.cached_info().ack_floor.stream_sequence;
+    stream.delete_consumer(name).await.map_err(|e| {
+        ServiceError::JetStream(format!("deleting consumer {name} to restart it at its ack floor: {e}"))
+    })?;
+    Ok(Some(floor + 1))
+}
+
+/// The consumer `name` of `stream`, `None` when it does not exist; any other failure is an error.
+async fn find_consumer(
+    stream: &stream::Stream,
+    name: &str,
+) -> Result<Option<jetstream::consumer::PullConsumer>, ServiceError> {
+    use jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
+    match stream.get_consumer(name).await {
+        Ok(consumer) => Ok(Some(consumer)),
+        Err(e)
+            if e.downcast_ref::<ConsumerInfoError>().is_some_and(|e| e.kind() == ConsumerInfoErrorKind::NotFound) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(ServiceError::JetStream(format!("reading consumer {name}: {e}"))),
     }
-    Some(floor + 1)
 }
 
 impl Source {

@@ -371,6 +371,28 @@ pub(crate) fn one_partition_config(url: &str) -> Config {
     config
 }
 
+/// A consumer that exists but cannot be read at start-up (here the account may not ask for its
+/// info) stops the start. Taken for "no consumer" before, the start went on to create it, which
+/// the server accepts when it exists with the same configuration: the replica resumed where the
+/// old consumer stood, past events of open streams it had acknowledged, not at its ack floor.
+#[tokio::test]
+async fn a_consumer_that_cannot_be_read_at_start_up_stops_the_start() {
+    let users = r#"authorization { users = [
+        { user: "full", password: "pw" },
+        { user: "svc", password: "pw", permissions: { publish: { deny: ["$JS.API.CONSUMER.INFO.>"] } } }
+    ] }"#;
+    let server = NatsServer::builder().config(format!("{}{users}\n", mapping(1))).start();
+    let mut config = one_partition_config(&server.url());
+    config.nats.user = Some("full".into());
+    config.nats.password = Some("pw".into());
+    let first = RunningService::start(config.clone()).await.unwrap();
+    first.shutdown().await.unwrap();
+    config.nats.user = Some("svc".into());
+    let refused = RunningService::start(config).await;
+    let error = refused.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(error.contains("reading consumer structured-sink-p0"), "the start must fail: {error:?}");
+}
+
 fn jetstream_config(url: &str) -> Config {
     let mut config = partitioned(url, 8, 0, 1);
     config.jetstream.enabled = true;
