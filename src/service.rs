@@ -652,7 +652,12 @@ impl NatsSink {
         let mut pending = pending;
         let mut round = 0u32;
         loop {
-            let failed = unstored(js, pending).await;
+            let mut refused = Vec::new();
+            let failed = unstored(js, pending, &mut refused).await;
+            for output in refused {
+                let type_name = output.headers.get(TYPE_HEADER_NAME).map_or("", |t| t.as_str());
+                self.metrics.count_publish_error(output_kind(type_name));
+            }
             let Some((_, error)) = failed.first() else { return true };
             let error = match error.kind() {
                 // `unstored` kept it, so a stream does capture the subject.
@@ -1072,8 +1077,12 @@ fn is_publish_control(name: &str) -> bool {
 
 /// Awaits the confirmations of `outputs` and returns those not stored, each with its error.
 /// Outputs whose subject no stream captures are left out: nothing downstream stores them, so
-/// there is nothing to confirm.
-async fn unstored(js: &async_nats::jetstream::Context, outputs: Vec<Unconfirmed>) -> Vec<(Output, PublishError)> {
+/// there is nothing to confirm. Those a stream refuses for good go to `permanently_refused`.
+async fn unstored(
+    js: &async_nats::jetstream::Context,
+    outputs: Vec<Unconfirmed>,
+    permanently_refused: &mut Vec<Output>,
+) -> Vec<(Output, PublishError)> {
     // Awaited together: each confirmation's timeout starts when it is awaited, so awaiting them
     // one after the other would take a timeout per output when the server does not answer.
     let results = futures::future::join_all(outputs.into_iter().map(|Unconfirmed { sent, output }| async move {
@@ -1089,6 +1098,14 @@ async fn unstored(js: &async_nats::jetstream::Context, outputs: Vec<Unconfirmed>
     let mut captured: HashMap<String, bool> = HashMap::new();
     for (output, stored) in results {
         let Err(error) = stored else { continue };
+        // A stream that refuses the message for good (larger than its `max_msg_size`, headers over
+        // its limit, sealed) would refuse it in every round, and the rounds hold the worker and
+        // every stream of its shard: reported and given up, like an output over `max_payload`.
+        if let Some(reason) = refused_for_good(&error) {
+            tracing::error!(subject = %output.subject, %reason, "the stream refuses the output for good; it is dropped");
+            permanently_refused.push(output);
+            continue;
+        }
         // Neither error tells whether a stream captures the subject. async-nats reports the
         // server's "no responders" status as `StreamNotFound`; the server sends it when nothing
         // listens on the subject, which is also the case while a stream that captures it has no
@@ -1113,6 +1130,17 @@ async fn unstored(js: &async_nats::jetstream::Context, outputs: Vec<Unconfirmed>
         failed.push((output, error));
     }
     failed
+}
+
+/// The server's reason when `error` is a refusal that no later attempt can change.
+fn refused_for_good(error: &PublishError) -> Option<String> {
+    use async_nats::jetstream::ErrorCode;
+    let source = std::error::Error::source(error)?.downcast_ref::<async_nats::jetstream::Error>()?;
+    matches!(
+        source.error_code(),
+        ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM | ErrorCode::STREAM_SEALED
+    )
+    .then(|| source.to_string())
 }
 
 /// Whether a JetStream stream may capture `subject`: false only when the JetStream API answers

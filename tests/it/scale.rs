@@ -393,6 +393,47 @@ async fn a_consumer_that_cannot_be_read_at_start_up_stops_the_start() {
     assert!(error.contains("reading consumer structured-sink-p0"), "the start must fail: {error:?}");
 }
 
+/// A downstream stream that refuses an output for good (here: larger than its `max_msg_size`)
+/// refused it in every round of publishing it again, and the rounds held the shard's worker: no
+/// later stream's outputs were stored. The output is now reported and given up.
+#[tokio::test]
+async fn an_output_a_stream_refuses_for_good_does_not_hold_up_the_others() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    let mut out = js
+        .create_stream(jetstream::stream::Config {
+            name: "OUT".into(),
+            subjects: vec!["chat.filtered".into()],
+            max_message_size: 2048,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut config = one_partition_config(&server.url());
+    config.shards.count = 1;
+    let service = RunningService::start(config).await.unwrap();
+    let event = |id: &str, body: String| (id.to_owned(), body);
+    let partial = |id: &str, delta: &str| {
+        event(id, serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
+    };
+    let last = |id: &str| event(id, format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#));
+    // `big`'s final carries 3,000 bytes of visible text; `small` comes after it.
+    let mut events: Vec<(String, String)> = (0..10).map(|_| partial("big", &"word ".repeat(60))).collect();
+    events.push(last("big"));
+    events.extend([partial("small", "hello"), last("small")]);
+    publish_inputs(&js, &events, 0..events.len()).await;
+    // big's ten deltas, small's delta and final.
+    let stored = read_all(&mut out, 12).await;
+    let metrics = service.metrics().snapshot();
+    service.shutdown().await.unwrap();
+    let ids: Vec<&str> =
+        stored.iter().map(|m| m.headers.as_ref().unwrap().get("Nats-Msg-Id").unwrap().as_str()).collect();
+    assert!(ids.contains(&"small:2"), "the next stream's final was stored: {ids:?}");
+    assert_eq!(ids.iter().filter(|id| id.starts_with("big:")).count(), 10, "big's deltas, not its final: {ids:?}");
+    assert_eq!(metrics.publish_errors_total(), 1);
+}
+
 fn jetstream_config(url: &str) -> Config {
     let mut config = partitioned(url, 8, 0, 1);
     config.jetstream.enabled = true;
