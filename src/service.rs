@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::bus::{self, round_trip, BusError, ConnectionEvent};
-use crate::codec::outbound::{Publication, OUTPUT_HEADER_ALLOWANCE};
+use crate::codec::outbound::{payload_bound, OutputEncoder, Publication};
 use crate::config::Config;
 use crate::http::{self, Readiness};
 use crate::metrics::{
@@ -203,7 +203,10 @@ impl RunningService {
         let (pipeline, encoder) = config.processing(&registry)?;
         // An output over the server's limit could never be published, while its input is
         // acknowledged: it goes with its bulk left out instead.
-        let encoder = encoder.with_max_payload(max_payload.saturating_sub(OUTPUT_HEADER_ALLOWANCE));
+        let mut encoder = encoder.with_max_payload(payload_bound(max_payload));
+        if config.jetstream.enabled {
+            encoder = bound_by_downstream_streams(&client, encoder).await;
+        }
         let limits = config.table_limits();
         let cancel = CancellationToken::new();
         let sink_template = NatsSink {
@@ -1130,6 +1133,25 @@ async fn unstored(
         failed.push((output, error));
     }
     failed
+}
+
+/// Bounds the outputs of each subject that a JetStream stream captures by what that stream takes
+/// (`max_msg_size`, headers included), so that an output too large for it goes with its bulk left
+/// out rather than refused. A stream created or changed after start-up is not seen: what it
+/// refuses for good is given up (see [`refused_for_good`]).
+async fn bound_by_downstream_streams(client: &async_nats::Client, mut encoder: OutputEncoder) -> OutputEncoder {
+    // Short: a JetStream API that does not answer must not hold start-up for long per subject.
+    let js = async_nats::jetstream::ContextBuilder::new().timeout(Duration::from_secs(2)).build(client.clone());
+    for subject in encoder.subjects() {
+        let Ok(name) = js.stream_by_subject(&*subject).await else { continue };
+        let Ok(stream) = js.get_stream(&name).await else { continue };
+        let limit = stream.cached_info().config.max_message_size;
+        if let Ok(limit @ 1..) = usize::try_from(limit) {
+            tracing::info!(%subject, stream = %name, max_msg_size = limit, "outputs bounded by their stream's message size");
+            encoder = encoder.with_subject_limit(&subject, payload_bound(limit));
+        }
+    }
+    encoder
 }
 
 /// The server's reason when `error` is a refusal that no later attempt can change.

@@ -190,6 +190,15 @@ pub struct OutputEncoder {
     stats: EncoderStats,
     /// The largest payload an output may have; see [`OutputEncoder::with_max_payload`].
     max_payload: usize,
+    /// Lower bounds of particular subjects (their downstream stream's message size limit), by the
+    /// encoder's own subject strings; usually empty.
+    subject_limits: Vec<(Arc<str>, usize)>,
+}
+
+/// The payload bound left under a message size `limit` that counts headers too: less
+/// [`OUTPUT_HEADER_ALLOWANCE`], or a quarter of a limit under four allowances.
+pub fn payload_bound(limit: usize) -> usize {
+    limit - OUTPUT_HEADER_ALLOWANCE.min(limit / 4)
 }
 
 impl OutputEncoder {
@@ -240,6 +249,7 @@ impl OutputEncoder {
             tags,
             stats: EncoderStats::default(),
             max_payload: usize::MAX,
+            subject_limits: Vec::new(),
         }
     }
 
@@ -253,6 +263,38 @@ impl OutputEncoder {
     pub fn with_max_payload(mut self, bytes: usize) -> Self {
         self.max_payload = bytes;
         self
+    }
+
+    /// Bounds the payloads of outputs to `subject` (one of [`OutputEncoder::subjects`]) by `bytes`
+    /// too, as [`OutputEncoder::with_max_payload`] bounds all: for a subject whose downstream
+    /// stream takes smaller messages than the server.
+    pub fn with_subject_limit(mut self, subject: &str, bytes: usize) -> Self {
+        if let Some(own) = self.subjects().into_iter().find(|s| &**s == subject) {
+            self.subject_limits.retain(|(s, _)| &**s != subject);
+            self.subject_limits.push((own, bytes));
+        }
+        self
+    }
+
+    /// Every subject outputs go to, once each.
+    pub fn subjects(&self) -> Vec<Arc<str>> {
+        let mut subjects: Vec<Arc<str>> = vec![self.filtered.clone(), self.thinking.clone(), self.tools.clone()];
+        for tag in &self.tags {
+            if !subjects.contains(&tag.subject) {
+                subjects.push(tag.subject.clone());
+            }
+        }
+        subjects.dedup();
+        subjects
+    }
+
+    /// The payload bound of outputs to `subject`.
+    fn limit_of(&self, subject: &Arc<str>) -> usize {
+        // By pointer: publications carry the encoder's own subject strings.
+        match self.subject_limits.iter().find(|(s, _)| Arc::ptr_eq(s, subject)) {
+            Some(&(_, limit)) => limit.min(self.max_payload),
+            None => self.max_payload,
+        }
     }
 
     /// Types the blocks declared in `registry` (their completed and snapshot events carry the
@@ -285,19 +327,25 @@ impl OutputEncoder {
     /// Encodes one output of the stream `header`, within the payload bound.
     pub fn encode(&mut self, header: &StreamHeader, output: &Output<'_>) -> Publication {
         let publication = self.encode_whole(header, output);
-        match publication.payload.len() <= self.max_payload {
+        let limit = self.limit_of(&publication.subject);
+        match publication.payload.len() <= limit {
             true => publication,
-            false => self.fit(header, output, publication),
+            false => self.fit(header, output, publication, limit),
         }
     }
 
     /// `publication`, too large, with its bulk left out (see [`OutputEncoder::with_max_payload`]).
     #[cold]
-    fn fit(&mut self, header: &StreamHeader, output: &Output<'_>, mut publication: Publication) -> Publication {
+    fn fit(
+        &mut self,
+        header: &StreamHeader,
+        output: &Output<'_>,
+        mut publication: Publication,
+        limit: usize,
+    ) -> Publication {
         self.stats.payloads_omitted += 1;
-        let limit = self.max_payload;
         let too_large = |what: &str| {
-            format!("{what} would exceed the server's max_payload ({limit} bytes with headers aside) and was left out")
+            format!("{what} would exceed the message size limit ({limit} bytes with headers aside) and was left out")
         };
         publication.payload = match &output.kind {
             OutputKind::Text { delta, finish, number, .. } => match self.text_encoding {
@@ -1045,7 +1093,7 @@ mod tests {
                     })
                     .expect("the block completed");
                 assert!(completed.payload_omitted && !completed.success, "{at}: {completed:?}");
-                assert!(completed.error.contains("max_payload"), "{at}: {}", completed.error);
+                assert!(completed.error.contains("message size limit"), "{at}: {}", completed.error);
                 assert!(completed.value.is_none() && completed.typed.is_none());
                 assert_eq!(completed.raw.len() == entries.len() + 1, raw_fits, "{at}: raw kept when it fits");
                 let call = published.iter().find(|p| p.type_name == proto::names::TOOL_CALL).expect("the call");
@@ -1055,6 +1103,20 @@ mod tests {
                 assert!(encoder.stats().payloads_omitted >= 3, "{at}");
             }
         }
+        // A subject's own limit, lower than the server's, bounds that subject's outputs only.
+        let mut encoder =
+            OutputEncoder::new(&pipeline, &OutputSubjects::default()).with_subject_limit("chat.tools", 1_000);
+        let mut published = Vec::new();
+        let mut s = StreamState::new();
+        pipeline
+            .feed(&mut s, &format!("{block}{tool}"), &mut |o: Output<'_>| published.push(encoder.encode(&header, &o)));
+        let sizes =
+            |type_name: &str| published.iter().filter(|p| p.type_name == type_name).map(|p| p.payload.len()).max();
+        assert!(sizes(proto::names::TOOL_CALL).unwrap() <= 1_000);
+        assert!(sizes(proto::names::BLOCK_EVENT).unwrap() > 1_000, "other subjects keep the server's bound");
+        assert_eq!(encoder.stats().payloads_omitted, 1);
+        assert_eq!(payload_bound(1 << 20), (1 << 20) - OUTPUT_HEADER_ALLOWANCE);
+        assert_eq!(payload_bound(2_048), 1_536);
         // Unbounded (the default), the same input goes whole.
         let mut encoder = OutputEncoder::new(&pipeline, &OutputSubjects::default());
         let mut s = StreamState::new();

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
+use prost::Message as _;
 use serde_json::Value;
 use structured_sink::codec::subject::escape_token;
 use structured_sink::config::{Config, PartitionMode};
@@ -393,45 +394,64 @@ async fn a_consumer_that_cannot_be_read_at_start_up_stops_the_start() {
     assert!(error.contains("reading consumer structured-sink-p0"), "the start must fail: {error:?}");
 }
 
-/// A downstream stream that refuses an output for good (here: larger than its `max_msg_size`)
-/// refused it in every round of publishing it again, and the rounds held the shard's worker: no
-/// later stream's outputs were stored. The output is now reported and given up.
+/// A downstream stream that takes smaller messages than the server (`max_msg_size` 2,048) and a
+/// stream whose final is larger. Known at start-up, the stream's limit bounds its subject's
+/// outputs: the final goes without its cumulative text. Created after start-up, the stream
+/// refuses the final for good; it was published again round after round, holding the shard's
+/// worker, so that no later stream's outputs were stored: it is now reported and given up.
 #[tokio::test]
-async fn an_output_a_stream_refuses_for_good_does_not_hold_up_the_others() {
-    let server = NatsServer::builder().config(mapping(1)).start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = jetstream::new(client.clone());
-    let mut out = js
-        .create_stream(jetstream::stream::Config {
+async fn an_output_too_large_for_its_downstream_stream_is_trimmed_or_given_up() {
+    for stream_first in [true, false] {
+        let server = NatsServer::builder().config(mapping(1)).start();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let js = jetstream::new(client.clone());
+        let out_config = jetstream::stream::Config {
             name: "OUT".into(),
             subjects: vec!["chat.filtered".into()],
             max_message_size: 2048,
             ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut config = one_partition_config(&server.url());
-    config.shards.count = 1;
-    let service = RunningService::start(config).await.unwrap();
-    let event = |id: &str, body: String| (id.to_owned(), body);
-    let partial = |id: &str, delta: &str| {
-        event(id, serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
-    };
-    let last = |id: &str| event(id, format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#));
-    // `big`'s final carries 3,000 bytes of visible text; `small` comes after it.
-    let mut events: Vec<(String, String)> = (0..10).map(|_| partial("big", &"word ".repeat(60))).collect();
-    events.push(last("big"));
-    events.extend([partial("small", "hello"), last("small")]);
-    publish_inputs(&js, &events, 0..events.len()).await;
-    // big's ten deltas, small's delta and final.
-    let stored = read_all(&mut out, 12).await;
-    let metrics = service.metrics().snapshot();
-    service.shutdown().await.unwrap();
-    let ids: Vec<&str> =
-        stored.iter().map(|m| m.headers.as_ref().unwrap().get("Nats-Msg-Id").unwrap().as_str()).collect();
-    assert!(ids.contains(&"small:2"), "the next stream's final was stored: {ids:?}");
-    assert_eq!(ids.iter().filter(|id| id.starts_with("big:")).count(), 10, "big's deltas, not its final: {ids:?}");
-    assert_eq!(metrics.publish_errors_total(), 1);
+        };
+        if stream_first {
+            js.create_stream(out_config.clone()).await.unwrap();
+        }
+        let mut config = one_partition_config(&server.url());
+        config.shards.count = 1;
+        let service = RunningService::start(config).await.unwrap();
+        let mut out = match stream_first {
+            true => js.get_stream("OUT").await.unwrap(),
+            false => js.create_stream(out_config).await.unwrap(),
+        };
+        let event = |id: &str, body: String| (id.to_owned(), body);
+        let partial = |id: &str, delta: &str| {
+            event(id, serde_json::json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string())
+        };
+        let last = |id: &str| event(id, format!(r#"{{"type":"final","meta":{{"message_id":"{id}"}}}}"#));
+        // `big`'s final carries 3,000 bytes of visible text; `small` comes after it.
+        let mut events: Vec<(String, String)> = (0..10).map(|_| partial("big", &"word ".repeat(60))).collect();
+        events.push(last("big"));
+        events.extend([partial("small", "hello"), last("small")]);
+        publish_inputs(&js, &events, 0..events.len()).await;
+        // big's ten deltas (and its final when trimmed), small's delta and final.
+        let stored = read_all(&mut out, if stream_first { 13 } else { 12 }).await;
+        let metrics = service.metrics().snapshot();
+        service.shutdown().await.unwrap();
+        let id = |m: &async_nats::Message| m.headers.as_ref().unwrap().get("Nats-Msg-Id").unwrap().to_string();
+        let ids: Vec<String> = stored.iter().map(id).collect();
+        assert!(ids.contains(&"small:2".to_owned()), "{stream_first}: the next stream's final was stored: {ids:?}");
+        let big_final = stored.iter().find(|m| id(m) == "big:11");
+        match stream_first {
+            true => {
+                let message = big_final.expect("the final, trimmed, was stored");
+                let text = structured_sink::codec::proto::FilteredText::decode(message.payload.clone()).unwrap();
+                assert!(text.r#final && text.text_omitted && text.text.is_empty(), "{text:?}");
+                assert_eq!((metrics.publish_errors_total(), metrics.outputs_trimmed), (0, 1));
+            }
+            false => {
+                assert!(big_final.is_none(), "refused: {ids:?}");
+                assert_eq!((metrics.publish_errors_total(), metrics.outputs_trimmed), (1, 0));
+            }
+        }
+    }
 }
 
 fn jetstream_config(url: &str) -> Config {
