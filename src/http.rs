@@ -2,7 +2,8 @@
 //!
 //! A minimal HTTP/1.1 server on hyper. `/metrics` renders [`Metrics`] in the Prometheus text
 //! format; `/healthz` answers 200 while the process can serve at all (503 once its NATS
-//! connection is closed for good, after `nats.max_reconnects`, or a shard worker stopped);
+//! connection is closed for good, after `nats.max_reconnects`, a shard worker stopped, or a
+//! JetStream consumer the replica reads no longer exists);
 //! `/readyz` answers 200 only
 //! while the shared [`Readiness`] says the service is connected to NATS and subscribed to its
 //! input, else 503 with a one-line reason. Other paths get 404 and other methods 405.
@@ -64,6 +65,8 @@ pub struct Readiness {
     /// A shard worker stopped (a failure outside any one stream's processing): the events routed
     /// to it can no longer be applied, so the process is no longer alive either.
     shard_lost: AtomicBool,
+    /// A JetStream consumer this replica reads no longer exists: nothing more comes from it.
+    consumer_lost: AtomicBool,
 }
 
 impl Readiness {
@@ -100,6 +103,12 @@ impl Readiness {
         self.shard_lost.store(true, Ordering::Relaxed);
     }
 
+    /// Records that a JetStream consumer this replica reads is gone: `/healthz` fails from now
+    /// on, so an orchestrator restarts the process (which creates the consumer again).
+    pub fn set_consumer_lost(&self) {
+        self.consumer_lost.store(true, Ordering::Relaxed);
+    }
+
     /// Whether the process can still do its job at all (`/healthz`).
     pub fn is_alive(&self) -> bool {
         self.not_alive_reason().is_none()
@@ -111,6 +120,8 @@ impl Readiness {
             Some("the NATS connection is closed for good")
         } else if self.shard_lost.load(Ordering::Relaxed) {
             Some("a shard worker stopped")
+        } else if self.consumer_lost.load(Ordering::Relaxed) {
+            Some("a JetStream consumer of this replica no longer exists")
         } else {
             None
         }
@@ -140,6 +151,7 @@ impl std::fmt::Debug for Readiness {
             .field("subscribed", &self.subscribed.load(Ordering::Relaxed))
             .field("connection_lost", &self.connection_lost.load(Ordering::Relaxed))
             .field("shard_lost", &self.shard_lost.load(Ordering::Relaxed))
+            .field("consumer_lost", &self.consumer_lost.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -365,6 +377,9 @@ mod tests {
         server.readiness.set_shard_lost();
         let (status, _, body) = server.request("GET", "/healthz").await;
         assert_eq!((status, body.as_str()), (503, "a shard worker stopped\n"));
+        let readiness = Readiness::new();
+        readiness.set_consumer_lost();
+        assert_eq!(readiness.not_alive_reason(), Some("a JetStream consumer of this replica no longer exists"));
         server.shut_down().await;
     }
 

@@ -315,6 +315,11 @@ impl RunningService {
         self.readiness.is_ready()
     }
 
+    /// Why the service can no longer do its job (what `/healthz` answers), or `None` while it can.
+    pub fn not_alive_reason(&self) -> Option<&'static str> {
+        self.readiness.not_alive_reason()
+    }
+
     /// The bound address of the HTTP server, when enabled.
     pub fn http_address(&self) -> Option<std::net::SocketAddr> {
         self.http.as_ref().map(|(address, _)| *address)

@@ -155,6 +155,9 @@ enum Input {
     /// consumes it now and rebuilds its open streams, so they are given up here (see
     /// [`Pinned::lost`]).
     PinLost(u32),
+    /// The partition's consumer no longer exists (an operator deleted it, or its stream): nothing
+    /// will be delivered, and what it had acknowledged is unknown to a new one.
+    ConsumerGone(String),
 }
 
 /// Where one dispatcher's events come from.
@@ -174,6 +177,8 @@ pub struct JetStreamSource {
     /// `None` until the first pull (a standby replica waits a moment before pulling), and from
     /// the end of a pull stream until the next one opens.
     messages: Option<pull::Stream>,
+    /// The consumer was found gone and the dispatcher told (once).
+    gone_reported: bool,
     /// No pull stream opens before this instant. A deadline, not a sleep's duration: `next` is
     /// dropped whenever the dispatcher's expiry tick or shutdown comes first, and a sleep would
     /// start again on every call (with a tick as long as the wait, for good).
@@ -396,6 +401,9 @@ const DRAIN_IDLE: Duration = Duration::from_secs(2);
 /// recovery's stream read.
 const REOPEN_PAUSE: Duration = Duration::from_millis(200);
 
+/// How often a consumer found gone is looked for again.
+const GONE_PAUSE: Duration = Duration::from_secs(1);
+
 /// Opens an ordered read of `subject` in `stream` from stream sequence `from`; `None` when
 /// nothing of `subject` is stored from `from` on.
 async fn open_read(stream: &stream::Stream, subject: &str, from: u64) -> Result<Option<pull::Ordered>, String> {
@@ -536,8 +544,16 @@ async fn open_consumers(
         let delivered = consumer.cached_info().delivered.consumer_sequence;
         let recovery = Recovery::new(&stream, &subject, partition, Some(delivered));
         let check = LossCheck::new(client);
-        let source =
-            JetStreamSource { consumer, pull, messages: Some(messages), open_at: None, recovery, pinned: None, check };
+        let source = JetStreamSource {
+            consumer,
+            pull,
+            messages: Some(messages),
+            gone_reported: false,
+            open_at: None,
+            recovery,
+            pinned: None,
+            check,
+        };
         sources.push((subject, Source::JetStream(Box::new(source))));
     }
     Ok(sources)
@@ -639,6 +655,7 @@ async fn open_pinned_consumers(
             consumer,
             pull: Pull::of(cfg),
             messages: None,
+            gone_reported: false,
             open_at,
             recovery,
             pinned: Some(pinned),
@@ -733,7 +750,9 @@ impl JetStreamSource {
                 continue;
             }
             let Some(messages) = self.messages.as_mut() else {
-                Box::pin(self.open()).await;
+                if let Some(gone) = Box::pin(self.open()).await {
+                    return gone;
+                }
                 continue;
             };
             // What is there already is taken without looking at the timer; only a wait also waits
@@ -895,13 +914,32 @@ impl JetStreamSource {
         }
     }
 
-    /// Opens the pull stream, retrying until it opens.
-    async fn open(&mut self) {
+    /// Opens the pull stream, retrying until it opens; tells once when the consumer is gone.
+    ///
+    /// async-nats opens a pull stream on a consumer that no longer exists without a word (its
+    /// pulls then fail, as after a leader change), and a deleted consumer ends the pull stream:
+    /// the consumer is looked up first, or a deleted one would be pulled from for good, silently.
+    async fn open(&mut self) -> Option<Input> {
+        use jetstream::context::ConsumerInfoErrorKind;
         if let Some(at) = self.open_at {
             tokio::time::sleep_until(at).await;
             self.open_at = None;
         }
         loop {
+            match self.consumer.info().await {
+                Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
+                    self.open_at = Some(tokio::time::Instant::now() + GONE_PAUSE);
+                    if !std::mem::replace(&mut self.gone_reported, true) {
+                        return Some(Input::ConsumerGone(self.consumer.cached_info().name.clone()));
+                    }
+                    // Reported: looked for again now and then (recreated, it is read again).
+                    tokio::time::sleep(GONE_PAUSE).await;
+                    continue;
+                }
+                // Anything else (no answer in time, a leader being elected) is for the pull stream
+                // to meet and retry.
+                _ => {}
+            }
             let opened = match &self.pinned {
                 None => self.pull.stream(&self.consumer).heartbeat(PULL_HEARTBEAT).messages().await,
                 Some(pinned) => {
@@ -923,7 +961,7 @@ impl JetStreamSource {
                     }
                     // Deliveries in flight to the old pull stream are lost with it.
                     self.check.suspect = true;
-                    return;
+                    return None;
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "opening the pull stream failed; retrying");
@@ -1184,6 +1222,14 @@ impl Dispatcher {
         match input {
             Input::Event(envelope) => self.dispatch(envelope).await,
             Input::PinLost(partition) => self.give_up(partition).await,
+            Input::ConsumerGone(name) => {
+                tracing::error!(
+                    consumer = %name,
+                    "the JetStream consumer no longer exists: nothing is delivered to this replica from it; \
+                     failing /healthz so that a restart creates it again (from the start of the stream)"
+                );
+                self.readiness.set_consumer_lost();
+            }
         }
     }
 

@@ -454,6 +454,24 @@ async fn an_output_too_large_for_its_downstream_stream_is_trimmed_or_given_up() 
     }
 }
 
+/// An operator deletes a partition's consumer. async-nats opens a pull stream on a consumer that
+/// is gone without a word, so the replica pulled from nothing for good while `/healthz` said it
+/// was alive. It now fails `/healthz`, naming why (a restart creates the consumer again).
+#[tokio::test]
+async fn a_deleted_consumer_fails_liveness() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let service = RunningService::start(one_partition_config(&server.url())).await.unwrap();
+    let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    assert_eq!(service.not_alive_reason(), None);
+    js.get_stream("CHAT_RAW").await.unwrap().delete_consumer("structured-sink-p0").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while service.not_alive_reason().is_none() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(service.not_alive_reason(), Some("a JetStream consumer of this replica no longer exists"));
+    service.shutdown().await.unwrap();
+}
+
 fn jetstream_config(url: &str) -> Config {
     let mut config = partitioned(url, 8, 0, 1);
     config.jetstream.enabled = true;
