@@ -469,18 +469,22 @@ pub(crate) fn reader_agrees_with_serde(payload: &[u8]) -> Result<(), String> {
 }
 
 /// Decodes the `text` field of a finishing event, kept raw by the first pass. An error is a wrong
-/// field type, positioned in the whole payload.
+/// field type, or invalid JSON for a string that cannot be decoded (a lone surrogate escape), as
+/// in any other field; positioned at the value in the whole payload.
 fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a str>) -> Result<Option<Cow<'a, str>>, DecodeError> {
     let Some(raw) = raw else { return Ok(None) };
     match serde_json::from_str::<Str<'a>>(raw) {
         Ok(text) => Ok(Some(text.0)),
-        Err(_) => {
+        Err(e) => {
             // `raw` borrows from `payload`: its offset gives the position.
             let offset = (raw.as_ptr() as usize).saturating_sub(payload.as_ptr() as usize).min(payload.len());
             let before = &payload[..offset];
             let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
             let column = offset - before.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1) + 1;
-            Err(DecodeError::WrongFieldType { line, column })
+            Err(match e.classify() {
+                serde_json::error::Category::Data => DecodeError::WrongFieldType { line, column },
+                _ => DecodeError::InvalidJson { line, column },
+            })
         }
     }
 }
@@ -674,6 +678,8 @@ mod tests {
             (br#"{"type":"partial","meta":{"message_id":""},"delta":"x"}"#, "missing_message_id"),
             (br#"{"meta":{"message_id":"m"}}"#, "missing_type"),
             (br#"{"type":"partial","meta":{"message_id":"m"},"delta":"\ud800"}"#, "invalid_json"),
+            (br#"{"type":"final","meta":{"message_id":"m"},"text":"\ud800"}"#, "invalid_json"),
+            (br#"{"type":"final","meta":{"message_id":"m"},"text":5}"#, "wrong_field_type"),
             (b"\xff\xfe", "invalid_json"),
             (br#"{"type":"partial","meta":{"message_id":"a\r\nX-Evil: 1"},"delta":"x"}"#, "invalid_message_id"),
         ];
