@@ -359,11 +359,8 @@ impl OutputEncoder {
                         Some(proto::block_event::Event::Completed(completed)) => {
                             completed.typed = None;
                             completed.value = None;
-                            completed.payload_omitted = true;
-                            if completed.success {
-                                completed.success = false;
-                                completed.error = too_large("the block's payload");
-                            }
+                            let (success, error) = (&mut completed.success, &mut completed.error);
+                            completed.payload_omitted = omitted(success, error, || too_large("the block's payload"));
                             if event.encoded_len() > limit {
                                 if let Some(proto::block_event::Event::Completed(completed)) = &mut event.event {
                                     completed.raw.clear();
@@ -381,11 +378,8 @@ impl OutputEncoder {
                 proto::names::TOOL_CALL => {
                     let mut call = proto::ToolCall::decode(publication.payload.clone()).unwrap_or_default();
                     call.arguments = None;
-                    call.payload_omitted = true;
-                    if call.success {
-                        call.success = false;
-                        call.error = too_large("the tool call's arguments");
-                    }
+                    let (success, error) = (&mut call.success, &mut call.error);
+                    call.payload_omitted = omitted(success, error, || too_large("the tool call's arguments"));
                     if call.encoded_len() > limit {
                         call.raw.clear();
                     }
@@ -609,6 +603,15 @@ fn geppetto_json(
         event["text_omitted"] = true.into();
     }
     Bytes::from(serde_json::to_vec(&event).unwrap_or_default())
+}
+
+/// Marks a block or call whose bulk was left out as failed, with `why` unless it had failed
+/// already (its own error says more); the value of its `payload_omitted`.
+fn omitted(success: &mut bool, error: &mut String, why: impl FnOnce() -> String) -> bool {
+    if std::mem::replace(success, false) {
+        *error = why();
+    }
+    true
 }
 
 /// `<id>:<n>` (message ids and item ids), without the formatting machinery: one per output.
