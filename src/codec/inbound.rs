@@ -434,7 +434,10 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
 }
 
 /// The fields as serde_json reads them: the reference for [`reader::read`], and the decoder of
-/// every payload that reader leaves to it.
+/// every payload that reader leaves to it. Cold and out of line: the rare path, kept out of
+/// `decode`, into which the reader is inlined.
+#[cold]
+#[inline(never)]
 fn read_with_serde(payload: &[u8]) -> Result<Fields<'_>, DecodeError> {
     let Object(wire): Object<Wire<'_>> = serde_json::from_slice(payload).map_err(|e| classify(payload, &e))?;
     let meta = wire.meta.map(|Object(meta)| meta).unwrap_or_default();
