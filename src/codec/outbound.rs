@@ -629,8 +629,7 @@ fn numbered(id: &str, n: u64) -> String {
 /// prost encodes the message (fields in number order, defaults omitted) but without copying the
 /// text into an owned message first.
 /// `omitted` says the cumulative `text` was left out (as a final's `text_omitted` does). Inlined
-/// by demand: called from a second place (trimming), it was called, not inlined, which cost about
-/// 200 instructions per output more (callgrind).
+/// by demand, as it was before a second caller (trimming) made the compiler call it instead.
 #[inline(always)]
 fn filtered_text(
     header: &StreamHeader,

@@ -76,8 +76,8 @@ enum ReadString {
 /// documentation), never "invalid".
 ///
 /// Inlined by demand into its one caller on the service's path (`decode`): called, it returns
-/// [`Fields`] (some 400 bytes) through memory, which with the call cost about 400 instructions
-/// per event (callgrind), and the compiler's choice changed with unrelated edits of `decode`.
+/// [`Fields`] (some 400 bytes) through memory, which cost about 300 instructions per event
+/// (callgrind), and the compiler's choice changed with unrelated edits of `decode`.
 #[inline(always)]
 pub(super) fn read(payload: &[u8]) -> Option<Fields<'_>> {
     let mut reader = Reader { bytes: payload, at: 0 };
