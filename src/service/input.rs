@@ -179,9 +179,9 @@ pub struct JetStreamSource {
     messages: Option<pull::Stream>,
     /// The consumer was found gone and the dispatcher told (once).
     gone_reported: bool,
-    /// No pull stream opens before this instant. A deadline, not a sleep's duration: `next` is
-    /// dropped whenever the dispatcher's expiry tick or shutdown comes first, and a sleep would
-    /// start again on every call (with a tick as long as the wait, for good).
+    /// No pull stream opens before this instant. A deadline, not a sleep's duration: `next` may be
+    /// dropped (at shutdown; `ready` drops it whenever nothing is there yet), and a sleep would
+    /// start again on every call.
     open_at: Option<tokio::time::Instant>,
     /// Reading the partition from the stream before going on (see [`Recovery`]).
     recovery: Recovery,
@@ -701,8 +701,9 @@ async fn find_consumer(
 }
 
 impl Source {
-    /// The next input; `None` when the source has ended. Cancel-safe: the dispatcher's
-    /// `select!` drops it when the expiry tick or shutdown comes first, and nothing is lost.
+    /// The next input; `None` when the source has ended. Cancel-safe: dropped (at shutdown, or by
+    /// `ready` when nothing is there yet), nothing is lost. The dispatcher's expiry ticks do not
+    /// drop it.
     async fn next(&mut self) -> Option<Input> {
         match self {
             Source::Core(subscriber) => subscriber.next().await.map(|message| Input::Event(Envelope::core(message))),
@@ -1143,20 +1144,28 @@ impl Dispatcher {
     /// one. An owned shard is finished last.
     pub async fn run(mut self) {
         loop {
-            let input = tokio::select! {
-                biased;
-                _ = self.cancel.cancelled() => break,
-                // Before the input: expiry must not wait for the input to pause (the tick is
-                // ready once per period, so polling it first costs little).
-                now = own_tick(&mut self.route) => {
-                    if let Route::Own(shard) = &mut self.route {
-                        shard.expire(now).await;
-                        shard.report();
+            let input = {
+                // Outside the wait, so that an expiry tick does not drop it: a JetStream source's
+                // `next` may be in the middle of an API call (a consumer lookup, a rebuild's read),
+                // and one slower than the tick period would be started again every tick, for good.
+                let mut next = std::pin::pin!(self.source.next());
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = self.cancel.cancelled() => break None,
+                        // Before the input: expiry must not wait for the input to pause (the tick
+                        // is ready once per period, so polling it first costs little).
+                        now = own_tick(&mut self.route) => {
+                            if let Route::Own(shard) = &mut self.route {
+                                shard.expire(now).await;
+                                shard.report();
+                            }
+                        }
+                        input = &mut next => break Some(input),
                     }
-                    continue;
                 }
-                input = self.source.next() => input,
             };
+            let Some(input) = input else { break };
             let Some(input) = input else { return self.finish().await };
             self.take(input).await;
             // What the source already holds is taken without another round of `select!`, at most

@@ -10,7 +10,7 @@
 //! purpose: it discards what the server sends, then cuts the connection.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,8 @@ struct Proxy {
     /// While set, no byte goes either way on any connection (a network that stalls, with no
     /// connection lost); the bytes wait.
     hold: Arc<AtomicBool>,
+    /// Milliseconds every read from the server waits before it is passed on (a slow server).
+    delay: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -60,6 +62,8 @@ impl Proxy {
         let refusing = refuse.clone();
         let hold = Arc::new(AtomicBool::new(false));
         let holding = hold.clone();
+        let delay = Arc::new(AtomicU64::new(0));
+        let delaying = delay.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 // Refusing by closing: the client retries, as it would with a server down.
@@ -68,11 +72,16 @@ impl Proxy {
                 }
                 let Ok(server) = TcpStream::connect(server).await else { continue };
                 let discard = Arc::new(AtomicBool::new(false));
-                let task = tokio::spawn(forward(client, server, discard.clone(), holding.clone()));
+                let task = tokio::spawn(forward(client, server, discard.clone(), holding.clone(), delaying.clone()));
                 accepted.lock().unwrap().push(Connection { discard, task });
             }
         });
-        Proxy { url, connections, refuse, hold, accept }
+        Proxy { url, connections, refuse, hold, delay, accept }
+    }
+
+    /// Delays every read from the server by `ms` milliseconds, on every connection.
+    fn delay(&self, ms: u64) {
+        self.delay.store(ms, Ordering::SeqCst);
     }
 
     /// Stops every byte both ways, without closing anything (`false`: lets them go on).
@@ -112,13 +121,19 @@ impl Drop for Proxy {
 
 /// Copies bytes both ways until either side closes, none while `hold` is set; the server's bytes
 /// only while `discard` is unset.
-async fn forward(client: TcpStream, server: TcpStream, discard: Arc<AtomicBool>, hold: Arc<AtomicBool>) {
+async fn forward(
+    client: TcpStream,
+    server: TcpStream,
+    discard: Arc<AtomicBool>,
+    hold: Arc<AtomicBool>,
+    delay: Arc<AtomicU64>,
+) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let never = AtomicBool::new(false);
+    let (never, no_delay) = (AtomicBool::new(false), AtomicU64::new(0));
     tokio::select! {
-        () = pass(&mut client_read, &mut server_write, &never, &hold) => {}
-        () = pass(&mut server_read, &mut client_write, &discard, &hold) => {}
+        () = pass(&mut client_read, &mut server_write, &never, &hold, &no_delay) => {}
+        () = pass(&mut server_read, &mut client_write, &discard, &hold, &delay) => {}
     }
 }
 
@@ -129,6 +144,7 @@ async fn pass(
     to: &mut (impl tokio::io::AsyncWrite + Unpin),
     discard: &AtomicBool,
     hold: &AtomicBool,
+    delay: &AtomicU64,
 ) {
     let held = || async {
         while hold.load(Ordering::SeqCst) {
@@ -143,6 +159,10 @@ async fn pass(
             Ok(n) => n,
         };
         held().await;
+        match delay.load(Ordering::SeqCst) {
+            0 => {}
+            ms => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
         if !discard.load(Ordering::SeqCst) && to.write_all(&buffer[..n]).await.is_err() {
             break;
         }
@@ -253,8 +273,24 @@ async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::Filtere
 /// "A C ": "B " came back after `ack_wait`, as a late duplicate).
 #[tokio::test]
 async fn a_delivery_lost_with_the_connection_is_applied_in_order() {
-    let (server, proxy, config) = proxied().await;
+    let default_tick = structured_sink::config::Config::default().shards.expiry_tick_ms;
+    a_delivery_lost_with_the_connection_is_applied_in_order_with(default_tick, 0).await;
+}
+
+/// The same with a server that answers slower (30 ms) than the expiry tick (10 ms): the input
+/// task applies events itself here (one source, one shard), and its tick dropped the source's
+/// wait, API call and all, so the recovery's consumer lookup started again every tick and never
+/// finished: the partition stalled.
+#[tokio::test]
+async fn a_delivery_lost_with_the_connection_is_applied_in_order_when_the_server_is_slower_than_the_tick() {
+    a_delivery_lost_with_the_connection_is_applied_in_order_with(10, 30).await;
+}
+
+async fn a_delivery_lost_with_the_connection_is_applied_in_order_with(expiry_tick_ms: u64, server_delay_ms: u64) {
+    let (server, proxy, mut config) = proxied().await;
+    config.shards.expiry_tick_ms = expiry_tick_ms;
     let service = RunningService::start(config).await.unwrap();
+    proxy.delay(server_delay_ms);
     // The test's own clients talk to the server directly.
     let (_client, js, mut out) = downstream(&server.url()).await;
     let events = stream_m(&["A ", "B ", "C "]);
