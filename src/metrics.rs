@@ -309,7 +309,7 @@ const FINALS_DIVERGED: MetricDef = MetricDef {
 };
 const OUTPUTS_TRIMMED: MetricDef = MetricDef {
     name: "outputs_trimmed_total",
-    help: "Outputs that would have exceeded the server's max_payload and went with their bulk left out.",
+    help: "Outputs that would have exceeded the server's max_payload, or their stream's max_msg_size, and went with their bulk left out.",
     kind: MetricType::Counter,
 };
 const TEXT_OVERFLOWS: MetricDef = MetricDef {
@@ -647,7 +647,8 @@ impl Metrics {
         self.text_overflows.add(n);
     }
 
-    /// Counts `n` outputs that went with their bulk left out to fit the server's `max_payload`.
+    /// Counts `n` outputs that went with their bulk left out to fit the server's `max_payload` or
+    /// their stream's `max_msg_size`.
     pub fn count_outputs_trimmed(&self, n: u64) {
         self.outputs_trimmed.add(n);
     }

@@ -1025,7 +1025,7 @@ impl ShardSink for NatsSink {
             table.typed.schema_mismatches - last.table.typed.schema_mismatches,
         );
         m.count_blocks_failed(BlockFailure::TooDeep, table.typed.too_deep - last.table.typed.too_deep);
-        m.count_outputs_trimmed(table.typed.payloads_omitted - last.table.typed.payloads_omitted);
+        m.count_outputs_trimmed(table.typed.outputs_trimmed - last.table.typed.outputs_trimmed);
         m.count_snapshots_skipped(pipeline.snapshot_budget_skips - last.pipeline.snapshot_budget_skips);
         self.reported = now;
     }

@@ -172,7 +172,7 @@ pub struct EncoderStats {
     pub too_deep: u64,
     /// Outputs that would have exceeded the payload bound ([`OutputEncoder::with_max_payload`])
     /// and went with parts left out.
-    pub payloads_omitted: u64,
+    pub outputs_trimmed: u64,
 }
 
 /// Room kept for an output's headers (`Nats-Msg-Id`, `Content-Type`, `Structured-Sink-Type`, the
@@ -269,23 +269,27 @@ impl OutputEncoder {
     /// too, as [`OutputEncoder::with_max_payload`] bounds all: for a subject whose downstream
     /// stream takes smaller messages than the server.
     pub fn with_subject_limit(mut self, subject: &str, bytes: usize) -> Self {
-        if let Some(own) = self.subjects().into_iter().find(|s| &**s == subject) {
-            self.subject_limits.retain(|(s, _)| &**s != subject);
-            self.subject_limits.push((own, bytes));
-        }
+        // Every string of that text: kinds may share a subject, each with its own string.
+        let own: Vec<Arc<str>> = self.subject_strings().filter(|s| &***s == subject).cloned().collect();
+        self.subject_limits.retain(|(s, _)| &**s != subject);
+        self.subject_limits.extend(own.into_iter().map(|s| (s, bytes)));
         self
     }
 
     /// Every subject outputs go to, once each.
     pub fn subjects(&self) -> Vec<Arc<str>> {
-        let mut subjects: Vec<Arc<str>> = vec![self.filtered.clone(), self.thinking.clone(), self.tools.clone()];
-        for tag in &self.tags {
-            if !subjects.contains(&tag.subject) {
-                subjects.push(tag.subject.clone());
+        let mut subjects: Vec<Arc<str>> = Vec::new();
+        for subject in self.subject_strings() {
+            if !subjects.contains(subject) {
+                subjects.push(subject.clone());
             }
         }
-        subjects.dedup();
         subjects
+    }
+
+    /// The subject strings publications carry, one per kind and tag (equal texts included).
+    fn subject_strings(&self) -> impl Iterator<Item = &Arc<str>> {
+        [&self.filtered, &self.thinking, &self.tools].into_iter().chain(self.tags.iter().map(|t| &t.subject))
     }
 
     /// The payload bound of outputs to `subject`.
@@ -343,7 +347,7 @@ impl OutputEncoder {
         mut publication: Publication,
         limit: usize,
     ) -> Publication {
-        self.stats.payloads_omitted += 1;
+        self.stats.outputs_trimmed += 1;
         let too_large = |what: &str| {
             format!("{what} would exceed the message size limit ({limit} bytes with headers aside) and was left out")
         };
@@ -1105,7 +1109,7 @@ mod tests {
                 let call = proto::ToolCall::decode(call.payload.clone()).unwrap();
                 assert!(call.payload_omitted && !call.success && call.arguments.is_none(), "{at}: {call:?}");
                 assert_eq!(call.raw.is_empty(), !raw_fits, "{at}");
-                assert!(encoder.stats().payloads_omitted >= 3, "{at}");
+                assert!(encoder.stats().outputs_trimmed >= 3, "{at}");
             }
         }
         // A subject's own limit, lower than the server's, bounds that subject's outputs only.
@@ -1119,7 +1123,15 @@ mod tests {
             |type_name: &str| published.iter().filter(|p| p.type_name == type_name).map(|p| p.payload.len()).max();
         assert!(sizes(proto::names::TOOL_CALL).unwrap() <= 1_000);
         assert!(sizes(proto::names::BLOCK_EVENT).unwrap() > 1_000, "other subjects keep the server's bound");
-        assert_eq!(encoder.stats().payloads_omitted, 1);
+        assert_eq!(encoder.stats().outputs_trimmed, 1);
+        // A subject that several kinds share is bounded for each of them.
+        let shared = OutputSubjects { thinking: "chat.side".into(), tools: "chat.side".into(), ..Default::default() };
+        let mut encoder = OutputEncoder::new(&pipeline, &shared).with_subject_limit("chat.side", 1_000);
+        assert_eq!(encoder.subjects().iter().filter(|s| &***s == "chat.side").count(), 1);
+        let mut s = StreamState::new();
+        let mut calls = Vec::new();
+        pipeline.feed(&mut s, &tool, &mut |o: Output<'_>| calls.push(encoder.encode(&header, &o)));
+        assert!(calls.iter().all(|p| p.payload.len() <= 1_000), "the tool call is bounded too");
         assert_eq!(payload_bound(1 << 20), (1 << 20) - OUTPUT_HEADER_ALLOWANCE);
         assert_eq!(payload_bound(2_048), 1_536);
         // Unbounded (the default), the same input goes whole.
@@ -1128,7 +1140,7 @@ mod tests {
         pipeline.feed(&mut s, &block, &mut |o: Output<'_>| {
             encoder.encode(&header, &o);
         });
-        assert_eq!(encoder.stats().payloads_omitted, 0);
+        assert_eq!(encoder.stats().outputs_trimmed, 0);
     }
 
     #[test]
