@@ -139,6 +139,15 @@ pub struct InboundEvent<'a> {
 struct Str<'a>(#[serde(borrow)] Cow<'a, str>);
 
 impl InboundEvent<'_> {
+    /// Whether the event ends every open stream of its message: an `error` or `interrupt` event
+    /// that names no segment or provider call (its stream id is its message id). The canonical
+    /// vocabulary keeps these two in their legacy shape, without `correlation`, and geppetto may
+    /// send one while a text segment is still open: a provider error in the middle of a segment,
+    /// which not every provider's path closes with `text-segment-finished` first.
+    pub fn ends_message(&self) -> bool {
+        matches!(self.kind.as_ref(), "error" | "interrupt") && self.stream.stream_id == self.stream.message_id
+    }
+
     /// The same event owning its strings.
     pub fn into_owned(self) -> InboundEvent<'static> {
         let own = |c: Cow<'_, str>| Cow::Owned(c.into_owned());
@@ -599,6 +608,26 @@ mod tests {
         let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"plain"}}"#);
         let ev = decode(json.as_bytes(), 1 << 20).unwrap();
         assert!(matches!(ev.action, EventAction::Delta(Cow::Borrowed("plain"))));
+    }
+
+    #[test]
+    fn only_errors_and_interrupts_without_correlation_end_their_message() {
+        let ends = |json: &str| decode(json.as_bytes(), 1 << 20).unwrap().ends_message();
+        assert!(ends(r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#));
+        assert!(ends(r#"{"type":"interrupt","meta":{"message_id":"m"},"text":"x"}"#));
+        // A correlation that names a segment or provider call ends that stream only.
+        assert!(!ends(r#"{"type":"error","meta":{"message_id":"m"},"correlation":{"segment_id":"s"}}"#));
+        assert!(!ends(r#"{"type":"interrupt","meta":{"message_id":"m"},"correlation":{"provider_call_id":"p"}}"#));
+        // An empty segment id names none.
+        assert!(ends(r#"{"type":"interrupt","meta":{"message_id":"m"},"correlation":{"segment_id":""}}"#));
+        for other in [
+            r#"{"type":"final","meta":{"message_id":"m"},"text":"x"}"#,
+            r#"{"type":"text-segment-finished","meta":{"message_id":"m"},"finish_reason":"interrupt"}"#,
+            r#"{"type":"partial","meta":{"message_id":"m"},"delta":"x"}"#,
+            r#"{"type":"run-failed","meta":{"message_id":"m"}}"#,
+        ] {
+            assert!(!ends(other), "{other}");
+        }
     }
 
     #[test]

@@ -6,12 +6,16 @@
 //! `evicted`), streams idle for `idle_timeout` are closed on [`StreamTable::expire`] (reason
 //! `expired`), and the last `finished_memory` finished stream ids are remembered so that a late
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
-//! would repeat. It knows nothing of tokio, NATS or wire bytes.
+//! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
+//! its message, which a list of the open segments by message id finds. It knows nothing of
+//! tokio, NATS or wire bytes.
 
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+
 use hashlink::linked_hash_map::RawEntryMut;
-use hashlink::{LinkedHashMap, LinkedHashSet};
+use hashlink::{DefaultHashBuilder, LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
@@ -101,6 +105,9 @@ struct OpenStream {
     last_input: u64,
     /// The input partition its events arrive from (see [`InputPosition::partition`]).
     partition: u32,
+    /// Its message id when that is not its stream id (a canonical segment): the key it is listed
+    /// under in [`StreamTable::segments`].
+    message_id: Option<Box<str>>,
 }
 
 /// One shard's streams.
@@ -110,6 +117,11 @@ pub struct StreamTable {
     limits: TableLimits,
     /// Open streams, least recently used first.
     streams: LinkedHashMap<Box<str>, OpenStream>,
+    /// The open streams whose id is not their message id (canonical segments), by message id, in
+    /// the order they opened: an event that ends its message ([`InboundEvent::ends_message`])
+    /// names no segment, and finds them here. Every stream listed is open; a message's list is
+    /// removed with its last stream, so this holds no more than `streams` does.
+    segments: HashMap<Box<str>, Vec<Box<str>>, DefaultHashBuilder>,
     /// Recently finished stream ids, oldest first.
     finished: LinkedHashSet<Box<str>>,
     /// Streams closed since the last [`StreamTable::take_closed`].
@@ -157,6 +169,7 @@ impl StreamTable {
             encoder,
             limits,
             streams: LinkedHashMap::new(),
+            segments: HashMap::default(),
             finished: LinkedHashSet::new(),
             closed: Vec::new(),
             closing: None,
@@ -190,7 +203,12 @@ impl StreamTable {
 
     /// Bytes held on the heap by open streams (payloads, retained text, held bytes, headers).
     pub fn heap_bytes(&self) -> usize {
-        self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum()
+        let listed: usize =
+            self.segments.iter().map(|(m, ids)| m.len() + ids.iter().map(|id| id.len()).sum::<usize>()).sum();
+        let message_ids: usize = self.streams.values().filter_map(|s| s.message_id.as_ref()).map(|m| m.len()).sum();
+        let streams: usize =
+            self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum();
+        streams + message_ids + listed
     }
 
     /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
@@ -238,6 +256,33 @@ impl StreamTable {
                 inject_failure(self.panic_on_delta, delta);
                 let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
                 Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
+                Disposition::Applied
+            }
+            EventAction::Finish { text, reason, error }
+                if event.ends_message() && self.segments.contains_key(event.stream.message_id.as_ref()) =>
+            {
+                // An `error` or `interrupt` naming no segment ends every open stream of its
+                // message, segments first, oldest first. (This assumes no segment of a message
+                // opens after the event that ended it: a redelivery of the event interleaved after
+                // one would end it too.)
+                let ending = Ending { reason, error: error.as_deref() };
+                let message_id = event.stream.message_id.as_ref();
+                // Each close delists its stream before it can fail, so that after a failure the
+                // event applied again ends the others.
+                while let Some(id) = self.segments.get(message_id).and_then(|ids| ids.first()).cloned() {
+                    let open = self.streams.remove(&id).expect("listed streams are open");
+                    // The event's text is the whole message's, not the segment's.
+                    self.close(id, open, None, ending, sink);
+                    self.stats.finished += 1;
+                }
+                match self.streams.remove(stream_id) {
+                    Some(open) => {
+                        self.close(stream_id.into(), open, text.as_deref(), ending, sink);
+                        self.stats.finished += 1;
+                    }
+                    // Remembered, so that the event delivered again is late, not a new stream.
+                    None => self.remember_finished(stream_id.into()),
+                }
                 Disposition::Applied
             }
             _ if self.finished.contains(stream_id) => {
@@ -317,7 +362,8 @@ impl StreamTable {
     /// events failed (its state may be half-updated). It counts as finished: later events of it
     /// are late, and the caller is told it closed (so held input is released).
     pub fn discard(&mut self, stream_id: &str) {
-        if self.streams.remove(stream_id).is_some() {
+        if let Some(open) = self.streams.remove(stream_id) {
+            self.delist(stream_id, &open);
             self.stats.failed += 1;
         }
         self.end_failed(stream_id.into());
@@ -357,6 +403,7 @@ impl StreamTable {
     pub fn abandon_all(&mut self) -> usize {
         let open = self.streams.len();
         self.streams.clear();
+        self.segments.clear();
         self.stats.handed_over += open as u64;
         open
     }
@@ -369,7 +416,9 @@ impl StreamTable {
         let ids: Vec<Box<str>> =
             self.streams.iter().filter(|(_, open)| open.partition == partition).map(|(id, _)| id.clone()).collect();
         for id in &ids {
-            self.streams.remove(id);
+            if let Some(open) = self.streams.remove(id) {
+                self.delist(id, &open);
+            }
         }
         self.stats.handed_over += ids.len() as u64;
         ids
@@ -408,8 +457,32 @@ impl StreamTable {
         );
         opened(&span);
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
-        let open = OpenStream { state: StreamState::new(), header, last_seen: now, span, last_input: 0, partition };
+        let message_id = event.stream.message_id.as_ref();
+        let message_id = (message_id != stream_id).then(|| {
+            self.segments.entry(message_id.into()).or_default().push(stream_id.into());
+            message_id.into()
+        });
+        let open = OpenStream {
+            state: StreamState::new(),
+            header,
+            last_seen: now,
+            span,
+            last_input: 0,
+            partition,
+            message_id,
+        };
         self.streams.insert(stream_id.into(), open);
+    }
+
+    /// Takes stream `id`, no longer open, off its message's list of segments.
+    fn delist(&mut self, id: &str, open: &OpenStream) {
+        let Some(message_id) = open.message_id.as_deref() else { return };
+        if let Some(ids) = self.segments.get_mut(message_id) {
+            ids.retain(|listed| listed.as_ref() != id);
+            if ids.is_empty() {
+                self.segments.remove(message_id);
+            }
+        }
     }
 
     fn close(
@@ -420,6 +493,7 @@ impl StreamTable {
         ending: Ending<'_>,
         sink: &mut impl FnMut(Publication),
     ) {
+        self.delist(&id, &open);
         // Held here while the stream closes, so that a panic leaves it behind.
         self.closing = Some(id);
         let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
@@ -536,6 +610,104 @@ mod tests {
         assert!(out.is_empty() && t.is_empty() && t.take_closed().is_empty());
         let stats = t.stats();
         assert_eq!((stats.handed_over, stats.finished, stats.closed_at_shutdown), (3, 0, 0));
+    }
+
+    /// A canonical delta of `segment`, a segment of message `message`.
+    fn segment(message: &str, segment: &str) -> InboundEvent<'static> {
+        let json = format!(
+            r#"{{"type":"text-delta","meta":{{"message_id":"{message}"}},"correlation":{{"segment_id":"{segment}"}},"delta":"x <core:x:v1>a: 1"}}"#
+        );
+        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    }
+
+    /// An event in the legacy shape, as both vocabularies send `error` and `interrupt`.
+    fn uncorrelated(kind: &str, message: &str) -> InboundEvent<'static> {
+        let json =
+            format!(r#"{{"type":"{kind}","meta":{{"message_id":"{message}"}},"error_string":"boom","text":"all"}}"#);
+        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    }
+
+    /// `(message id, finish reason, error)` of every final among `outputs`.
+    fn finals(outputs: &[Publication]) -> Vec<(String, String, String)> {
+        use prost::Message;
+        outputs
+            .iter()
+            .filter(|p| p.type_name == crate::codec::proto::names::FILTERED_TEXT)
+            .map(|p| crate::codec::proto::FilteredText::decode(p.payload.clone()).unwrap())
+            .filter(|text| text.r#final)
+            .map(|text| (text.stream.unwrap_or_default().stream_id, text.finish_reason, text.error))
+            .collect()
+    }
+
+    #[test]
+    fn an_error_or_interrupt_naming_no_segment_ends_every_open_stream_of_its_message() {
+        let mut t = table(10);
+        t.limits.finished_memory = 10;
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for (message, seg) in [("m", "m:s1"), ("other", "o:s1"), ("m", "m:s2"), ("n", "n:s1")] {
+            t.apply(&segment(message, seg), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        }
+        out.clear();
+        let got = t.apply(&uncorrelated("error", "m"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(got, Disposition::Applied);
+        let error = |id: &str| (id.to_owned(), "error".to_owned(), "boom".to_owned());
+        assert_eq!(finals(&out), vec![error("m:s1"), error("m:s2")]);
+        // Each segment's open block completed as any stream end completes it.
+        assert_eq!(out.iter().filter(|p| p.type_name == crate::codec::proto::names::BLOCK_EVENT).count(), 2);
+        assert_eq!(t.take_closed(), vec![Box::from("m:s1"), Box::from("m:s2")]);
+        assert_eq!((t.len(), t.stats().finished), (2, 2));
+        // Later events of the segments, and the same event again, are late.
+        for late in [segment("m", "m:s1"), uncorrelated("error", "m")] {
+            assert_eq!(t.apply(&late, UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {}), Disposition::Late);
+        }
+        out.clear();
+        // An interrupt ends its message's segment with its reason, the segment's own text kept.
+        t.apply(&uncorrelated("interrupt", "n"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(finals(&out), vec![("n:s1".to_owned(), "interrupt".to_owned(), String::new())]);
+        let text = |p: &Publication| {
+            use prost::Message;
+            crate::codec::proto::FilteredText::decode(p.payload.clone()).unwrap().text
+        };
+        assert_eq!(text(out.last().unwrap()), "x ");
+        // With no segment of its message open, it ends the stream of its message id, as before.
+        out.clear();
+        t.apply(&uncorrelated("error", "quiet"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(finals(&out), vec![error("quiet")]);
+        assert_eq!(t.len(), 1, "only the other message's segment is open");
+    }
+
+    #[test]
+    fn a_segment_leaves_its_messages_list_however_it_ends() {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let mut t = table(2);
+        let mut open = |t: &mut StreamTable, message: &str, seg: &str, partition: u32| {
+            let input = InputPosition { partition, sequence: None };
+            t.apply(&segment(message, seg), input, now, &mut |p| out.push(p), &mut |_| {});
+        };
+        // Evicted, expired, discarded, given up with its partition, or closed at shutdown: an
+        // error of its message later finds no segment listed that is not open (it would panic).
+        open(&mut t, "a", "a:1", 0);
+        open(&mut t, "b", "b:1", 0);
+        open(&mut t, "c", "c:1", 0);
+        t.expire(now + Duration::from_secs(60), &mut |_| {});
+        open(&mut t, "d", "d:1", 0);
+        t.discard("d:1");
+        open(&mut t, "e", "e:1", 1);
+        t.abandon_partition(1);
+        open(&mut t, "f", "f:1", 0);
+        t.close_all("shutdown", &mut |_| {});
+        assert!(t.is_empty() && t.segments.is_empty());
+        open(&mut t, "g", "g:1", 0);
+        t.abandon_all();
+        assert!(t.is_empty() && t.segments.is_empty());
+        for message in ["a", "b", "c", "d", "e", "f", "g"] {
+            let mut outputs = Vec::new();
+            t.apply(&uncorrelated("error", message), UNSEQUENCED, now, &mut |p| outputs.push(p), &mut |_| {});
+            assert_eq!(finals(&outputs), vec![(message.to_owned(), "error".to_owned(), "boom".to_owned())]);
+        }
+        assert!(t.segments.is_empty());
     }
 
     #[test]

@@ -140,13 +140,16 @@ impl<S: ShardSink> Shard<S> {
             if attempt.is_err() {
                 match table.recover_failed_close() {
                     Some(id) if id.as_ref() == own => own_close_failed = true,
-                    // Closing a stream evicted to make room failed: that costs the evicted stream
-                    // only. Eviction comes before the event's stream opens, so the event touched
-                    // nothing yet, and there is room now: it is applied again. (Each retry has one
-                    // stream fewer open, so this ends.)
-                    Some(evicted) => {
-                        outputs.retain(|p| p.stream_id() != evicted.as_ref());
-                        tracing::error!(shard = *index, stream_id = %evicted, "closing an evicted stream failed; it was discarded");
+                    // Closing another stream failed: one evicted to make room, or a segment the
+                    // event ended with its message. That costs that stream only, and the event is
+                    // applied again. Eviction comes before the event's stream opens, so the event
+                    // touched nothing yet, and there is room now; the segments of a message that
+                    // the event already ended are closed and delisted, so it ends the others (or,
+                    // were the failed one the last, the stream of its own id, as when none is
+                    // open). Each retry has one stream fewer open, so this ends.
+                    Some(other) => {
+                        outputs.retain(|p| p.stream_id() != other.as_ref());
+                        tracing::error!(shard = *index, stream_id = %other, "closing a stream failed; it was discarded");
                         continue;
                     }
                     None => {}
@@ -765,6 +768,40 @@ mod tests {
         assert!(
             log.contains(&"dead 4 stream_finished".to_owned()),
             "later events of the broken stream are late: {log:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failure_while_an_error_ends_its_messages_segments_costs_that_segment_only() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| {
+            let mut table = table(Duration::from_secs(60));
+            // Held back as a possible tag, so only closing `m:s1` outputs it.
+            table.panic_on_output = Some("<core:x");
+            (table, log.clone())
+        });
+        let segment = |id: &str, text: &str, envelope| {
+            let json = format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{id}"}},"delta":"{text}"}}"#
+            );
+            event(&json, envelope)
+        };
+        set.route(segment("m:s1", "a <core:x", 1)).await.unwrap();
+        set.route(segment("m:s2", "b", 2)).await.unwrap();
+        // No correlation: it ends both segments, and closing the first fails.
+        set.route(event(r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#, 3)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
+        assert!(!log.iter().any(|l| l.contains(" m:s1:2 ")), "no final of the broken segment: {log:?}");
+        assert!(log.contains(&"closed m:s1".to_owned()), "its held input is released: {log:?}");
+        let final_of_s2 =
+            log.iter().position(|l| l.contains(" m:s2:2 Some(3)")).expect("s2's final, caused by the error");
+        assert!(final_of_s2 < position("applied m 3 Following"), "{log:?}");
+        assert!(position("applied m 3 Following") < position("closed m:s2"), "{log:?}");
+        assert!(
+            !log.iter().any(|l| l.contains(" m:1 ") || l.starts_with("dead 3")),
+            "no stream of the message id: {log:?}"
         );
     }
 

@@ -734,6 +734,43 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
     assert_eq!(group(&got), expected);
 }
 
+/// With JetStream input, an `error` naming no segment (the legacy shape the canonical vocabulary
+/// keeps) ends the open segments of its message at once, as the offline replay does, and every
+/// input event is acknowledged. Before, the segments held their first events unacknowledged until
+/// idle expiry, and the error opened and ended a stream of the message id.
+#[tokio::test]
+async fn an_error_naming_no_segment_ends_its_messages_segments_and_is_acknowledged() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    let service = RunningService::start(one_partition_config(&server.url())).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let delta = |segment: &str, text: &str| {
+        format!(
+            r#"{{"type":"text-delta","meta":{{"message_id":"m-1"}},"correlation":{{"segment_id":"{segment}"}},"delta":"{text}"}}"#
+        )
+    };
+    let error = r#"{"type":"error","error":{},"meta":{"message_id":"m-1"},"error_string":"provider failed"}"#;
+    let events: Vec<(String, String)> =
+        [delta("m-1:a", "Looking "), delta("m-1:b", "up"), delta("m-1:a", "more"), error.to_owned()]
+            .into_iter()
+            .map(|event| ("m-1".to_owned(), event))
+            .collect();
+    let expected = replayed(&test_config(&server.url()), &events);
+    publish_inputs(&js, &events, 0..events.len()).await;
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let last = events.len() as u64;
+    let state = settle(|| consumer_state(&input, 0), |&(floor, _, _)| floor == last).await;
+    let got = group(&read_all(&mut out, expected.values().map(Vec::len).sum()).await);
+    service.shutdown().await.unwrap();
+    assert_eq!(state, (last, 0, 0), "every event acknowledged");
+    assert_eq!(got.keys().collect::<Vec<_>>(), ["m-1:a", "m-1:b"], "no stream of the message id: {got:?}");
+    for (segment, outputs) in &got {
+        let end = &outputs.last().unwrap().1;
+        assert_eq!((&end["final"], &end["finish_reason"]), (&true.into(), &"error".into()), "{segment}: {end}");
+        assert_eq!(end["error"], "provider failed", "{segment}: {end}");
+    }
+    assert_eq!(got, expected);
+}
+
 /// With the server gone, a JetStream replica's shutdown does not wait out a confirmation timeout
 /// and a JetStream API timeout (about 4 s) for every stream it closes: once one stream's outputs
 /// went unconfirmed after stopping began, the server is taken for gone and the others' are not

@@ -649,6 +649,56 @@ async fn upstream_errors_and_interrupts_end_their_streams_with_what_they_said() 
     }
 }
 
+/// geppetto keeps `error` and `interrupt` in their legacy shape in the canonical vocabulary: they
+/// name no segment, and may come while a text segment is open (a provider error in the middle of
+/// one). Such an event ends every open segment of its message, each as that event type with the
+/// segment's own filtered text, at once. Before, the segments stayed open until idle expiry (their
+/// last text held back) and the event opened and ended a stream of the message id instead.
+#[tokio::test]
+async fn an_error_or_interrupt_naming_no_segment_ends_the_open_segments_of_its_message() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.output.format = structured_sink::config::OutputFormat::GeppettoJson;
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let delta = |message: &str, segment: &str, text: &str| {
+        format!(
+            r#"{{"type":"text-delta","meta":{{"message_id":"{message}"}},"correlation":{{"segment_id":"{segment}"}},"delta":"{text}"}}"#
+        )
+    };
+    for event in [
+        delta("fail-1", "fail-1:a", r"Looking \u003cmy"),
+        delta("stop-1", "stop-1:a", "Halfway"),
+        delta("fail-1", "fail-1:b", "Also"),
+        r#"{"type":"error","error":{},"meta":{"message_id":"fail-1"},"error_string":"provider failed"}"#.to_owned(),
+        r#"{"type":"interrupt","meta":{"message_id":"stop-1"},"text":"Halfway there"}"#.to_owned(),
+    ] {
+        client.publish("chat", event.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let ends = |ms: &[async_nats::Message]| {
+        ms.iter().filter(|m| !serde_json::from_slice::<Value>(&m.payload).unwrap()["type"].eq("text-delta")).count()
+    };
+    // The idle timeout is minutes: only the events' own effect ends the segments this soon.
+    let got = collect(&mut filtered, Duration::from_secs(10), |ms| ends(ms) == 3).await;
+    service.shutdown().await.unwrap();
+    let mut last: BTreeMap<String, Value> = BTreeMap::new();
+    for m in &got {
+        let event: Value = serde_json::from_slice(&m.payload).unwrap();
+        last.insert(event["correlation"]["segment_id"].as_str().expect("every output names its segment").into(), event);
+    }
+    assert_eq!(last.keys().collect::<Vec<_>>(), ["fail-1:a", "fail-1:b", "stop-1:a"], "{got:?}");
+    for (segment, text) in [("fail-1:a", "Looking <my"), ("fail-1:b", "Also")] {
+        let end = &last[segment];
+        assert_eq!((&end["type"], &end["error_string"]), (&"error".into(), &"provider failed".into()), "{end}");
+        assert_eq!(end["text"], text, "the segment's own text, held-back bytes released: {end}");
+    }
+    let stop = &last["stop-1:a"];
+    assert_eq!((&stop["type"], &stop["text"]), (&"interrupt".into(), &"Halfway".into()), "{stop}");
+}
+
 /// `nats.retry_on_initial_connect`: with no server reachable, start-up waits for one, alive
 /// (`/healthz` answers) but not ready (`/readyz` 503); once a server is up it completes, becomes
 /// ready and processes events.
