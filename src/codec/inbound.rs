@@ -57,8 +57,8 @@ pub enum DecodeError {
     /// `meta.message_id` is absent or empty.
     #[error("event has no meta.message_id")]
     MissingMessageId,
-    /// The message id (or stream id) is longer than [`MAX_ID_BYTES`] or holds control characters,
-    /// so it cannot travel safely in headers and logs.
+    /// The message id (or stream id) is longer than [`MAX_ID_BYTES`], holds control characters or
+    /// begins with a space, so it cannot travel safely in headers and logs.
     #[error("message id is invalid: {0}")]
     InvalidMessageId(&'static str),
     /// A text event lacks the field that carries its text.
@@ -362,6 +362,11 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
     if id.len() > MAX_ID_BYTES {
         return Err(DecodeError::InvalidMessageId("longer than 256 bytes"));
     }
+    // An id leads each output's `Nats-Msg-Id`, whose leading spaces the server drops: ` a` would
+    // share its ids with `a`, and a stream deduplicating by them would drop one message's outputs.
+    if id.starts_with(' ') {
+        return Err(DecodeError::InvalidMessageId("begins with a space"));
+    }
     // Control characters (`Cc`) are C0 (bytes below 0x20), DEL and C1 (U+0080 to U+009F, encoded
     // as 0xC2 0x80..0x9F): a scan of the bytes first, of the characters only when one may be there.
     if may_hold_control_characters(id.as_bytes()) && id.chars().any(char::is_control) {
@@ -591,13 +596,13 @@ mod tests {
     }
 
     #[test]
-    fn ids_with_control_characters_are_refused_and_others_accepted() {
-        for bad in [r"a\tb", r"a\u007fb", r"a\u0085b", r"\u009f", r"\u0000"] {
+    fn ids_with_control_characters_or_a_leading_space_are_refused_and_others_accepted() {
+        for bad in [r"a\tb", r"a\u007fb", r"a\u0085b", r"\u009f", r"\u0000", " a", r"\u0020a"] {
             let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{bad}"}},"delta":"x"}}"#);
             assert_eq!(decode(json.as_bytes(), 1 << 20).unwrap_err().code(), "invalid_message_id", "{bad}");
         }
         // U+00A0 shares the 0xC2 lead byte with C1 controls; U+00C2 and é share nothing with them.
-        for good in [r"a\u00a0b", r"\u00c2", "café", "a~b"] {
+        for good in [r"a\u00a0b", r"\u00c2", "café", "a~b", "a b", "a "] {
             let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{good}"}},"delta":"x"}}"#);
             assert!(decode(json.as_bytes(), 1 << 20).is_ok(), "{good}");
         }

@@ -134,6 +134,44 @@ async fn message_ids_with_subject_syntax_are_processed_and_never_reach_a_subject
     assert!(subjects.contains("chat.structured.myapp.ModeSwitch.v1"));
 }
 
+/// A downstream JetStream stream drops an output whose `Nats-Msg-Id` it stored within its
+/// duplicate window, and the server reads a header value without its leading spaces: the outputs
+/// of message ` a` (ids ` a:1`, ` a:2`) took those of message `a` (`a:1`, `a:2`), and whichever
+/// came second was dropped, as if published twice. An id that begins with a space is refused
+/// (`invalid_message_id`) instead, and `a` keeps all of its outputs.
+#[tokio::test]
+async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
+    let server = NatsServer::start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stored = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "FILTERED".into(),
+            subjects: vec!["chat.filtered".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut dead = client.subscribe("chat.dlq").await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    for id in [" a", "a"] {
+        client.publish("chat", partial(id, "hello").into()).await.unwrap();
+        client.publish("chat", final_event(id).into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let out = collect(&mut filtered, Duration::from_secs(5), |ms| final_of(ms, "a").is_some()).await;
+    let dead = collect(&mut dead, Duration::from_secs(1), |ms| ms.len() == 2).await;
+    service.shutdown().await.unwrap();
+
+    let streams: Vec<String> = texts(&out).into_iter().map(|t| t.stream.unwrap_or_default().message_id).collect();
+    assert_eq!(streams, ["a", "a"], "only `a` is processed");
+    assert_eq!(dead.iter().map(error_header).collect::<Vec<_>>(), ["invalid_message_id", "invalid_message_id"]);
+    let info = stored.info().await.unwrap();
+    assert_eq!(info.state.messages, 2, "both outputs of `a` stored, none dropped as a duplicate");
+}
+
 #[tokio::test]
 async fn blocks_that_overflow_or_never_close_fail_and_the_stream_goes_on() {
     let server = NatsServer::start();
