@@ -20,7 +20,9 @@
 //! Runs only after the strict parse failed, so valid YAML is never altered. It changes, line by
 //! line:
 //! 1. **Tab indentation**: each tab in a line's leading whitespace becomes two spaces (YAML
-//!    forbids tabs there; models still write them).
+//!    forbids tabs there; models still write them). In a block scalar, only its indentation is
+//!    whitespace to repair (the run of spaces or of tabs its first line begins with): a tab after
+//!    it is the scalar's text, code say, and stays.
 //! 2. **Missing space after a key's colon**: at the start of a line (after indentation and any
 //!    `- ` sequence markers), `key:value` becomes `key: value` when `key` is a plain identifier
 //!    (`[A-Za-z_][A-Za-z0-9_-]*`) and the colon is not followed by `//` (a URL such as
@@ -194,28 +196,38 @@ fn yaml_error(strict: &serde_norway::Error, repaired: Option<String>) -> Payload
 pub(crate) fn repair(body: &str) -> Option<String> {
     let mut out = String::with_capacity(body.len() + 16);
     let mut changed = false;
-    // Indentation of the line that opened a block scalar; deeper or blank lines are its content.
-    let mut block_scalar_indent: Option<usize> = None;
+    // The block scalar being read, if any: deeper or blank lines are its content.
+    let mut block: Option<BlockScalar<'_>> = None;
     for line in body.split_inclusive('\n') {
-        let start = out.len();
         let ws = line.len() - line.trim_start_matches([' ', '\t']).len();
-        for b in line[..ws].bytes() {
-            if b == b'\t' {
-                out.push_str("  ");
-                changed = true;
-            } else {
-                out.push(' ');
+        let rest = &line[ws..];
+        let content = rest.trim_end();
+        if let Some(block) = &mut block {
+            // Its first non-blank line fixes its indentation as written: a run of spaces, or of
+            // tabs. A line that begins with that run is content; what follows the run, tabs
+            // included, is the scalar's own text and is kept.
+            if block.indentation.is_none() && !content.is_empty() {
+                let first = line.as_bytes()[0];
+                let run = line.bytes().take_while(|&b| b == first).count().min(ws);
+                if width(&line[..run]) > block.parent {
+                    block.indentation = Some(&line[..run]);
+                }
+            }
+            if let Some(indentation) = block.indentation.filter(|i| line.starts_with(i)) {
+                changed |= push_indentation(&mut out, indentation);
+                out.push_str(&line[indentation.len()..]);
+                continue;
             }
         }
-        let rest = &line[ws..];
+        let start = out.len();
+        changed |= push_indentation(&mut out, &line[..ws]);
         let indent = out.len() - start;
-        let content = rest.trim_end();
-        if let Some(parent) = block_scalar_indent {
-            if content.is_empty() || indent > parent {
+        if let Some(open) = &block {
+            if content.is_empty() || indent > open.parent {
                 out.push_str(rest);
                 continue;
             }
-            block_scalar_indent = None;
+            block = None;
         }
         match missing_space_at(rest) {
             Some(colon) => {
@@ -227,10 +239,37 @@ pub(crate) fn repair(body: &str) -> Option<String> {
             None => out.push_str(rest),
         }
         if opens_block_scalar(content) {
-            block_scalar_indent = Some(indent);
+            block = Some(BlockScalar { parent: indent, indentation: None });
         }
     }
     changed.then_some(out)
+}
+
+/// A block scalar (`|`, `>`) met by [`repair`].
+struct BlockScalar<'a> {
+    /// The indentation, repaired, of the line that opened it.
+    parent: usize,
+    /// Its content's indentation as written, once a non-blank content line gave it.
+    indentation: Option<&'a str>,
+}
+
+/// The width of leading whitespace once repaired (a tab is two spaces).
+fn width(indentation: &str) -> usize {
+    indentation.bytes().map(|b| if b == b'\t' { 2 } else { 1 }).sum()
+}
+
+/// Appends leading whitespace with each tab as two spaces; whether it held a tab.
+fn push_indentation(out: &mut String, indentation: &str) -> bool {
+    let mut tabs = false;
+    for b in indentation.bytes() {
+        if b == b'\t' {
+            out.push_str("  ");
+            tabs = true;
+        } else {
+            out.push(' ');
+        }
+    }
+    tabs
 }
 
 /// In a line without its indentation, the offset of a key's colon that lacks the space after
@@ -352,6 +391,22 @@ mod tests {
         let yaml = "mode_switch:\n\tanalysis: slow\n\tnew_mode: fast\n";
         assert!(parse_strict(yaml).is_err());
         assert_eq!(parse_yaml(yaml), Ok(json!({"mode_switch": {"analysis": "slow", "new_mode": "fast"}})));
+    }
+
+    #[test]
+    fn tabs_inside_a_block_scalar_are_its_text_not_indentation() {
+        // `a:1` makes the strict parse fail, so the repair runs over the whole body. The block's
+        // indentation (spaces in the first body, tabs in the second) is repaired; a tab after it
+        // is the scalar's own text (code, say) and stays.
+        for (yaml, code) in [
+            ("a:1\ncode: |\n  if x {\n  \tgo()\n  }\n", "if x {\n\tgo()\n}\n"),
+            ("a:1\ncode: |\n\tif x {\n\t\tgo()\n\t}\nb: 2\n", "if x {\n\tgo()\n}\n"),
+        ] {
+            assert!(parse_strict(yaml).is_err(), "{yaml:?}");
+            let value = parse_yaml(yaml).unwrap_or_else(|e| panic!("{yaml:?}: {e}"));
+            assert_eq!(value["code"], code, "{yaml:?}");
+            assert_eq!(value["a"], 1, "{yaml:?}");
+        }
     }
 
     #[test]
