@@ -923,6 +923,41 @@ impl Config {
         }
     }
 
+    /// What this configuration amounts to on this machine, as TOML comments for `structured-sink
+    /// config` to print after [`Config::to_masked_toml`]: the shard count `0` leaves to the
+    /// service, the per-shard bounds, the partitions owned, and every registered tag, block types
+    /// declared in `schemas.dirs` included. Checks what start-up checks beyond loading (schemas
+    /// that load, block subjects), so a configuration `serve` would refuse fails here too.
+    pub fn effective(&self) -> Result<String, ConfigError> {
+        let registry = self.load_schemas()?;
+        let (pipeline, _) = self.processing(&registry)?;
+        let limits = self.table_limits();
+        let mut out = String::from("\n# Effective on this machine (derived from the settings above):\n");
+        let chosen = if self.shards.count == 0 { " (0: one per CPU less one, at least one)" } else { "" };
+        out.push_str(&format!("# shards.count = {}{chosen}\n", self.shard_count()));
+        out.push_str(&format!(
+            "# per shard: max_streams = {}, finished_memory = {}\n",
+            limits.max_streams, limits.finished_memory
+        ));
+        match self.partitions.mode {
+            PartitionMode::None => out.push_str("# partitions: none (mode \"none\": this replica takes every event)\n"),
+            _ => {
+                let owned = self.partitions.owned_partitions()?;
+                let list = owned.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+                out.push_str(&format!("# partitions owned ({} of {}): {list}\n", owned.len(), self.partitions.count));
+            }
+        }
+        let kind = |kind| match kind {
+            TagKind::Block => "block",
+            TagKind::Channel => "channel",
+            TagKind::ToolCall => "tool_call",
+        };
+        let tags: Vec<String> =
+            pipeline.tags().iter().map(|t| format!("{} ({})", t.spec.name, kind(t.spec.kind))).collect();
+        out.push_str(&format!("# tags: {}\n", tags.join(", ")));
+        Ok(out)
+    }
+
     /// This configuration as TOML, with secrets masked, for `structured-sink config`.
     pub fn to_masked_toml(&self) -> String {
         let mut masked = self.clone();

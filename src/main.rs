@@ -65,9 +65,11 @@ fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Replay { input } => run_replay(&config, input),
+        // The settings as loaded, then what they amount to here; a configuration that start-up
+        // would refuse fails after the settings are printed.
         Command::Config => {
             print!("{}", config.to_masked_toml());
-            Ok(())
+            config.effective().map(|effective| print!("{effective}")).map_err(|e| io::Error::other(e.to_string()))
         }
         Command::Prompt { tags } => config
             .load_schemas()

@@ -68,6 +68,39 @@ fn config_prints_effective_settings_with_secrets_masked() {
     assert!(!stdout.contains("very-secret-token"), "{stdout}");
     assert!(stdout.contains("token = \"***\""), "{stdout}");
     assert!(stdout.contains("count = 3"), "{stdout}");
+    // What the settings amount to, as comments: the printed text stays a valid configuration.
+    assert!(
+        stdout.contains("# shards.count = 3\n# per shard: max_streams = 33333, finished_memory = 3334\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("# tags: thinking (channel), think (channel), tool (tool_call), geppetto:citations:v1 (block)"),
+        "{stdout}"
+    );
+    let reloaded = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(reloaded.path(), stdout.replace("\"***\"", "\"x\"")).unwrap();
+    let again = binary().arg("--config").arg(reloaded.path()).arg("config").output().unwrap();
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+
+    let owned = binary()
+        .args([
+            "--set",
+            "partitions.mode=subject",
+            "--set",
+            "partitions.count=8",
+            "--set",
+            "partitions.replica_count=3",
+        ])
+        .args(["--set", "partitions.replica_index=1", "config"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&owned.stdout).contains("# partitions owned (3 of 8): 1, 4, 7\n"));
+
+    // A configuration start-up would refuse fails here too, after printing the settings.
+    let refused = binary().args(["--set", "schemas.dirs=[\"/nonexistent\"]", "config"]).output().unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stdout).contains("[schemas]"));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("schemas.dirs"));
 }
 
 #[test]
