@@ -194,7 +194,8 @@ pub struct JetStreamSource {
 /// Deliveries lost with a connection are found by the next delivery's consumer sequence (see
 /// [`Recovery`]); nothing shows those at the end of the input, which the server would redeliver
 /// only after `ack_wait` (ten minutes by default), with their streams stalled until then. So after
-/// a reconnect, or a new pull stream, once the partition has been quiet for [`QUIET`], the replica
+/// a reconnect, a new pull stream or a failed pull (missed heartbeats, a consumer leader lost with
+/// deliveries on their way), once the partition has been quiet for [`QUIET`], the replica
 /// asks the consumer how far it has delivered: beyond the last delivery that arrived here, the
 /// rest was lost and is read from the stream like any other loss. A delivery that is merely
 /// slower than [`QUIET`] (or overtaken by the consumer's answer) is then read twice, which is
@@ -202,17 +203,17 @@ pub struct JetStreamSource {
 /// [`Pinned::lost`]).
 ///
 /// Costs: while the partition waits for input, one timer, looked at every [`LOOK`] (an atomic
-/// load); one consumer-info request per partition after a reconnect or a new pull stream (none for
-/// a pinned partition not held here); and for a pinned partition held here, one per
-/// `pinned_ttl_ms` without a delivery. While it asks, the partition's next delivery waits (the
+/// load); one consumer-info request per partition after a reconnect, a new pull stream or a failed
+/// pull (none for a pinned partition not held here); and for a pinned partition held here, one
+/// per `pinned_ttl_ms` without a delivery. While it asks, the partition's next delivery waits (the
 /// request is a round trip; after a failure it asks again at the next look).
 struct LossCheck {
     /// The client's counters, whose count of connections made shows a reconnect.
     statistics: Arc<async_nats::Statistics>,
     /// That count when last looked at.
     connects: u64,
-    /// A reconnect, or a new pull stream, since the consumer was last asked: deliveries may have
-    /// been lost at the end of the input.
+    /// A reconnect, a new pull stream or a failed pull since the consumer was last asked:
+    /// deliveries may have been lost at the end of the input.
     suspect: bool,
     /// The later of the last delivery here and the last answer of the consumer.
     heard: Instant,
@@ -819,6 +820,10 @@ impl JetStreamSource {
                 }
                 Some(Err(e)) => {
                     // Heartbeats missed, leader changes, reconnects: the stream keeps pulling.
+                    // Deliveries may have been lost with the failure (a consumer leader that dies
+                    // with them on their way, the client's own connection up): a later delivery
+                    // shows them, and at the end of the input the loss check asks the consumer.
+                    self.check.suspect = true;
                     tracing::warn!(error = %e, "JetStream pull failed; retrying");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -857,9 +862,9 @@ impl JetStreamSource {
     }
 
     /// For a pinned partition, finds out whether the pin is still this replica's; then, when
-    /// deliveries may have been lost (`tail`: a reconnect or a new pull stream; a connection that
-    /// stayed up loses nothing), starts a recovery if the consumer has delivered more than reached
-    /// this replica.
+    /// deliveries may have been lost (`tail`: a reconnect, a new pull stream or a failed pull; a
+    /// pull that went on without a failure lost nothing), starts a recovery if the consumer has
+    /// delivered more than reached this replica.
     fn audit(&mut self, info: &jetstream::consumer::Info, tail: bool) {
         if let Some(pinned) = self.pinned.as_mut() {
             // Not pinned here: the deliveries are another replica's.
