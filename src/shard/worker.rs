@@ -501,6 +501,11 @@ mod tests {
         }
     }
 
+    /// Where `line` is in `log`; panics, showing the log, when it is not there.
+    fn at(log: &[String], line: &str) -> usize {
+        log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"))
+    }
+
     fn table(idle: Duration) -> StreamTable {
         limited_table(idle, 100)
     }
@@ -627,8 +632,7 @@ mod tests {
         set.route(fin("good", 6)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
-        assert!(position("dead 3 internal_error") < position("closed bad"), "{log:?}");
+        assert!(at(&log, "dead 3 internal_error") < at(&log, "closed bad"), "{log:?}");
         assert!(log.contains(&"dead 4 stream_finished".to_owned()), "later events of it are late: {log:?}");
         let good: Vec<&String> = log.iter().filter(|l| l.contains(" good:")).collect();
         assert_eq!(good.len(), 3, "the other stream is untouched: {log:?}");
@@ -706,7 +710,6 @@ mod tests {
         set.route(delta("new", "boom", 2)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
         // `old`'s block completes and its final text goes out, before `old` is closed (acknowledged).
         let evicted: Vec<usize> = log
             .iter()
@@ -715,8 +718,8 @@ mod tests {
             .map(|(i, _)| i)
             .collect();
         assert_eq!(evicted.len(), 2, "the block's completion and the final text: {log:?}");
-        assert!(evicted.iter().all(|&i| i < position("closed old")), "{log:?}");
-        assert!(position("dead 2 internal_error") < position("closed new"), "{log:?}");
+        assert!(evicted.iter().all(|&i| i < at(&log, "closed old")), "{log:?}");
+        assert!(at(&log, "dead 2 internal_error") < at(&log, "closed new"), "{log:?}");
         assert!(!log.iter().any(|l| l.contains(" new:")), "nothing of the failed stream is published: {log:?}");
     }
 
@@ -756,7 +759,6 @@ mod tests {
         set.route(delta("old", "more", 4)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
         assert!(log.contains(&"applied old 1 Opened".to_owned()), "{log:?}");
         assert!(!log.iter().any(|l| l.contains(" old:2 ")), "no final of the broken stream: {log:?}");
         assert!(log.contains(&"closed old".to_owned()), "its held input is released: {log:?}");
@@ -764,7 +766,7 @@ mod tests {
         assert!(!log.iter().any(|l| l.starts_with("dead 2")), "the event that made room is applied: {log:?}");
         let new: Vec<&String> = log.iter().filter(|l| l.contains(" new:")).collect();
         assert_eq!(new.len(), 2, "its delta and its final: {log:?}");
-        assert!(position("applied new 3 Following") < position("closed new"), "{log:?}");
+        assert!(at(&log, "applied new 3 Following") < at(&log, "closed new"), "{log:?}");
         assert!(
             log.contains(&"dead 4 stream_finished".to_owned()),
             "later events of the broken stream are late: {log:?}"
@@ -792,13 +794,12 @@ mod tests {
         set.route(event(r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#, 3)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        let position = |line: &str| log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"));
         assert!(!log.iter().any(|l| l.contains(" m:s1:2 ")), "no final of the broken segment: {log:?}");
         assert!(log.contains(&"closed m:s1".to_owned()), "its held input is released: {log:?}");
         let final_of_s2 =
             log.iter().position(|l| l.contains(" m:s2:2 Some(3)")).expect("s2's final, caused by the error");
-        assert!(final_of_s2 < position("applied m 3 Following"), "{log:?}");
-        assert!(position("applied m 3 Following") < position("closed m:s2"), "{log:?}");
+        assert!(final_of_s2 < at(&log, "applied m 3 Following"), "{log:?}");
+        assert!(at(&log, "applied m 3 Following") < at(&log, "closed m:s2"), "{log:?}");
         assert!(
             !log.iter().any(|l| l.contains(" m:1 ") || l.starts_with("dead 3")),
             "no stream of the message id: {log:?}"
