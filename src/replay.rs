@@ -76,7 +76,12 @@ pub fn replay(
                 continue;
             }
         };
-        match table.apply(&event, InputPosition::default(), now, &mut |p| published.push(p), &mut |_| {}) {
+        let disposition = table.apply(&event, InputPosition::default(), now, &mut |p| published.push(p), &mut |_| {});
+        // An event's outputs come before its forwarded copy, as the service publishes them.
+        for p in published.drain(..) {
+            summary.published += write_or_report(&mut out, &mut err, &p, registry.descriptor_pool(), number)?;
+        }
+        match disposition {
             Disposition::Applied | Disposition::Duplicate => {}
             Disposition::PassThrough if !config.input.pass_through_subject.is_empty() => {
                 // The service forwards the bytes unchanged; serde_json refuses a few that the event
@@ -99,9 +104,6 @@ pub fn replay(
                 summary.rejected += 1;
                 writeln!(err, "line {number}: event for stream {} after its end", event.stream.stream_id)?;
             }
-        }
-        for p in published.drain(..) {
-            summary.published += write_or_report(&mut out, &mut err, &p, registry.descriptor_pool(), number)?;
         }
     }
     table.close_all("shutdown", &mut |p| published.push(p));

@@ -3,7 +3,8 @@
 //! Legacy (geppetto up to v0.11.22): `partial` {delta, completion}, `final` {text}, `interrupt`
 //! {text}, `error` {error_string}. Canonical (v0.11.23 and later): `text-delta` {delta, text,
 //! sequence, correlation}, `text-segment-finished` {text, finish_reason, correlation}. Every other
-//! type is not text: it is passed through untouched. `meta` carries `message_id` (required),
+//! type is not text: it is passed through untouched (`provider-call-finished` also ends the
+//! segments of its call still open). `meta` carries `message_id` (required),
 //! `session_id` (or the older `run_id`), `inference_id`, `turn_id`. The stream id is
 //! `correlation.segment_id`, else `correlation.provider_call_id`, else `meta.message_id`.
 //!
@@ -100,6 +101,8 @@ pub struct StreamIdentity<'a> {
     pub inference_id: Cow<'a, str>,
     /// `meta.turn_id`.
     pub turn_id: Cow<'a, str>,
+    /// `correlation.provider_call_id` (empty when absent): the provider call a segment belongs to.
+    pub provider_call_id: Cow<'a, str>,
 }
 
 /// What an event asks the pipeline to do.
@@ -116,6 +119,15 @@ pub enum EventAction<'a> {
         /// The upstream's error text (`error.error_string`, empty when absent) when an `error`
         /// event ended the stream; `None` for every other event.
         error: Option<Cow<'a, str>>,
+    },
+    /// The end of a provider call (`provider-call-finished`): forwarded unchanged like any event
+    /// that is not text, and every segment of that call still open ends with `reason` (the
+    /// event's `finish_class`, else its `stop_reason`, else `provider-call-finished`). No more text
+    /// of the call comes: geppetto sends it after the call's last event, and a segment still open
+    /// then was cut short (a cancelled or failed call, whose segment some providers never finish).
+    CallFinished {
+        /// Why the segments ended.
+        reason: Cow<'a, str>,
     },
     /// Not a text event: forwarded unchanged to the pass-through subject when one is set.
     PassThrough,
@@ -159,12 +171,14 @@ impl InboundEvent<'_> {
                 session_id: own(self.stream.session_id),
                 inference_id: own(self.stream.inference_id),
                 turn_id: own(self.stream.turn_id),
+                provider_call_id: own(self.stream.provider_call_id),
             },
             action: match self.action {
                 EventAction::Delta(d) => EventAction::Delta(own(d)),
                 EventAction::Finish { text, reason, error } => {
                     EventAction::Finish { text: text.map(own), reason: own(reason), error: error.map(own) }
                 }
+                EventAction::CallFinished { reason } => EventAction::CallFinished { reason: own(reason) },
                 EventAction::PassThrough => EventAction::PassThrough,
             },
         }
@@ -184,12 +198,14 @@ impl InboundEvent<'_> {
                 piece(self.stream.session_id),
                 piece(self.stream.inference_id),
                 piece(self.stream.turn_id),
+                piece(self.stream.provider_call_id),
             ],
             action: match self.action {
                 EventAction::Delta(d) => DetachedAction::Delta(piece(d)),
                 EventAction::Finish { text, reason, error } => {
                     DetachedAction::Finish { text: text.map(piece), reason: piece(reason), error: error.map(piece) }
                 }
+                EventAction::CallFinished { reason } => DetachedAction::CallFinished { reason: piece(reason) },
                 EventAction::PassThrough => DetachedAction::PassThrough,
             },
         }
@@ -200,8 +216,8 @@ impl InboundEvent<'_> {
 #[derive(Debug, Clone)]
 pub struct DetachedEvent {
     kind: Piece,
-    /// Message, stream, session, inference and turn ids.
-    identity: [Piece; 5],
+    /// Message, stream, session, inference, turn and provider call ids.
+    identity: [Piece; 6],
     action: DetachedAction,
 }
 
@@ -209,6 +225,7 @@ pub struct DetachedEvent {
 enum DetachedAction {
     Delta(Piece),
     Finish { text: Option<Piece>, reason: Piece, error: Option<Piece> },
+    CallFinished { reason: Piece },
     PassThrough,
 }
 
@@ -254,7 +271,7 @@ impl DetachedEvent {
     /// The event again, borrowing from `payload`, which must be the payload it was detached from
     /// (panics otherwise).
     pub fn attach<'a>(&'a self, payload: &'a [u8]) -> InboundEvent<'a> {
-        let [message_id, stream_id, session_id, inference_id, turn_id] = &self.identity;
+        let [message_id, stream_id, session_id, inference_id, turn_id, provider_call_id] = &self.identity;
         InboundEvent {
             kind: self.kind.attach(payload),
             stream: StreamIdentity {
@@ -263,6 +280,7 @@ impl DetachedEvent {
                 session_id: session_id.attach(payload),
                 inference_id: inference_id.attach(payload),
                 turn_id: turn_id.attach(payload),
+                provider_call_id: provider_call_id.attach(payload),
             },
             action: match &self.action {
                 DetachedAction::Delta(d) => EventAction::Delta(d.attach(payload)),
@@ -271,6 +289,7 @@ impl DetachedEvent {
                     reason: reason.attach(payload),
                     error: error.as_ref().map(|e| e.attach(payload)),
                 },
+                DetachedAction::CallFinished { reason } => EventAction::CallFinished { reason: reason.attach(payload) },
                 DetachedAction::PassThrough => EventAction::PassThrough,
             },
         }
@@ -400,9 +419,9 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     };
     let kind = non_empty(fields.kind).ok_or(DecodeError::MissingType)?;
     let message_id = non_empty(fields.message_id).ok_or(DecodeError::MissingMessageId)?;
-    let stream_id = non_empty(fields.segment_id)
-        .or_else(|| non_empty(fields.provider_call_id))
-        .unwrap_or_else(|| message_id.clone());
+    let provider_call_id = non_empty(fields.provider_call_id);
+    let stream_id =
+        non_empty(fields.segment_id).or_else(|| provider_call_id.clone()).unwrap_or_else(|| message_id.clone());
     check_id(&message_id)?;
     // Most streams are identified by their message id, checked just now.
     if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
@@ -414,6 +433,7 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
         session_id: non_empty(fields.session_id).or(fields.run_id).unwrap_or_default(),
         inference_id: fields.inference_id.unwrap_or_default(),
         turn_id: fields.turn_id.unwrap_or_default(),
+        provider_call_id: provider_call_id.unwrap_or_default(),
     };
     let action = match kind.as_ref() {
         "partial" | "text-delta" => EventAction::Delta(fields.delta.ok_or(DecodeError::MissingField {
@@ -442,6 +462,7 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
             reason: Cow::Borrowed("error"),
             error: Some(fields.error_string.unwrap_or_default()),
         },
+        "provider-call-finished" => EventAction::CallFinished { reason: call_end_reason(payload) },
         _ => EventAction::PassThrough,
     };
     Ok(InboundEvent { kind, stream, action })
@@ -504,6 +525,30 @@ fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a str>) -> Result<Option<Cow<
             })
         }
     }
+}
+
+/// Why a provider call ended, for the segments it leaves open: its `finish_class`, else its
+/// `stop_reason` (both top-level in `provider-call-finished`), else `provider-call-finished`. A
+/// field of another type is passed over rather than refused: the event is forwarded unchanged
+/// anyway. Read apart, once per provider call, so that the reader of every event need not know
+/// these fields.
+#[cold]
+fn call_end_reason(payload: &[u8]) -> Cow<'_, str> {
+    #[derive(Deserialize)]
+    struct CallEnd<'a> {
+        #[serde(borrow, default)]
+        finish_class: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        stop_reason: Option<&'a RawValue>,
+    }
+    let string = |raw: Option<&RawValue>| {
+        let text = serde_json::from_str::<Str<'_>>(raw?.get()).ok()?.0;
+        (!text.is_empty()).then(|| Cow::Owned(text.into_owned()))
+    };
+    serde_json::from_slice::<CallEnd<'_>>(payload)
+        .ok()
+        .and_then(|end| string(end.finish_class).or_else(|| string(end.stop_reason)))
+        .unwrap_or(Cow::Borrowed("provider-call-finished"))
 }
 
 /// Maps a serde error to a reason that quotes nothing from the payload.
@@ -576,10 +621,10 @@ mod tests {
         let detached = event.clone().detach(payload);
         let debug = format!("{detached:?}");
         // Positions: type, message id (twice, as stream id), turn id. Owned: the escaped session
-        // id and text, the absent inference id (empty) and the default reason, which are not in
-        // the payload.
+        // id and text, the absent inference and provider call ids (empty) and the default
+        // reason, which are not in the payload.
         assert_eq!(debug.matches("Span").count(), 4, "{debug}");
-        assert_eq!(debug.matches("Owned").count(), 4, "{debug}");
+        assert_eq!(debug.matches("Owned").count(), 5, "{debug}");
         assert_eq!(detached.attach(payload), event);
         assert_eq!(detached.message_id(payload), MID);
         // Strings from another buffer are copied, never taken as positions in this payload.
@@ -633,6 +678,34 @@ mod tests {
         ] {
             assert!(!ends(other), "{other}");
         }
+    }
+
+    #[test]
+    fn a_provider_call_finished_names_its_call_and_why_it_ended() {
+        let event = |fields: &str| {
+            let json = format!(
+                r#"{{"type":"provider-call-finished","meta":{{"message_id":"m"}},"correlation":{{"provider_call_id":"p1"}}{fields}}}"#
+            );
+            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+        };
+        let reason = |fields: &str| match event(fields).action {
+            EventAction::CallFinished { reason } => reason.into_owned(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(event("").stream.provider_call_id, "p1");
+        assert_eq!(event("").stream.stream_id, "p1");
+        assert_eq!(reason(r#","stop_reason":"error","finish_class":"failed""#), "failed");
+        assert_eq!(reason(r#","stop_reason":"max_tokens""#), "max_tokens");
+        assert_eq!(reason(r#","finish_class":"can\u0063elled""#), "cancelled");
+        // Neither, empty, or not a string: the event still goes through, with the default.
+        for fields in ["", r#","finish_class":"""#, r#","finish_class":7,"stop_reason":{}"#] {
+            assert_eq!(reason(fields), "provider-call-finished", "{fields}");
+        }
+        // The provider call id survives a trip across tasks.
+        let json = r#"{"type":"text-delta","meta":{"message_id":"m"},"correlation":{"segment_id":"s","provider_call_id":"p1"},"delta":"x"}"#;
+        let delta = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert_eq!(delta.clone().detach(json.as_bytes()).attach(json.as_bytes()), delta);
+        assert_eq!(delta.stream.provider_call_id, "p1");
     }
 
     #[test]

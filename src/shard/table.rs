@@ -10,14 +10,13 @@
 //! its message, which a list of the open segments by message id finds. It knows nothing of
 //! tokio, NATS or wire bytes.
 
-use std::time::{Duration, Instant};
-
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::{DefaultHashBuilder, LinkedHashMap, LinkedHashSet};
 
-use crate::codec::inbound::{EventAction, InboundEvent};
+use crate::codec::inbound::{EventAction, InboundEvent, MAX_ID_BYTES};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
 use crate::pipeline::{Ending, Output, Pipeline, PipelineStats, StreamState};
 
@@ -105,9 +104,27 @@ struct OpenStream {
     last_input: u64,
     /// The input partition its events arrive from (see [`InputPosition::partition`]).
     partition: u32,
-    /// Its message id when that is not its stream id (a canonical segment): the key it is listed
-    /// under in [`StreamTable::segments`].
-    message_id: Option<Box<str>>,
+    /// What it is a segment of, when its id is not its message id (a canonical segment).
+    segment_of: Option<Box<SegmentOf>>,
+}
+
+/// The message and provider call a segment belongs to.
+struct SegmentOf {
+    /// The key it is listed under in [`StreamTable::segments`].
+    message_id: Box<str>,
+    /// Its `correlation.provider_call_id`; `None` when it had none (or one longer than
+    /// [`MAX_ID_BYTES`], not kept): then the end of any call of its message ends it.
+    provider_call: Option<Box<str>>,
+}
+
+impl OpenStream {
+    /// Whether it is a segment of provider call `call` (any call of its message, if `call` is
+    /// empty).
+    fn of_call(&self, call: &str) -> bool {
+        self.segment_of
+            .as_ref()
+            .is_some_and(|of| call.is_empty() || of.provider_call.as_deref().is_none_or(|c| c == call))
+    }
 }
 
 /// One shard's streams.
@@ -205,7 +222,12 @@ impl StreamTable {
     pub fn heap_bytes(&self) -> usize {
         let listed: usize =
             self.segments.iter().map(|(m, ids)| m.len() + ids.iter().map(|id| id.len()).sum::<usize>()).sum();
-        let message_ids: usize = self.streams.values().filter_map(|s| s.message_id.as_ref()).map(|m| m.len()).sum();
+        let message_ids: usize = self
+            .streams
+            .values()
+            .filter_map(|s| s.segment_of.as_ref())
+            .map(|of| size_of::<SegmentOf>() + of.message_id.len() + of.provider_call.as_ref().map_or(0, |c| c.len()))
+            .sum();
         let streams: usize =
             self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum();
         streams + message_ids + listed
@@ -229,6 +251,10 @@ impl StreamTable {
         let sequence = input.sequence;
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
+            EventAction::CallFinished { reason } => {
+                self.end_call(event, reason, sink);
+                Disposition::PassThrough
+            }
             EventAction::Delta(delta) => {
                 // The common case, a delta of an open stream, costs one lookup of its id. (A stream
                 // is never open and finished at once: a finished id is never opened again while it
@@ -300,6 +326,25 @@ impl StreamTable {
                 self.stats.finished += 1;
                 Disposition::Applied
             }
+        }
+    }
+
+    /// Ends every open segment of the provider call that `event` (`provider-call-finished`) ended,
+    /// oldest first, with `reason`.
+    fn end_call(&mut self, event: &InboundEvent<'_>, reason: &str, sink: &mut impl FnMut(Publication)) {
+        let (message_id, call) = (event.stream.message_id.as_ref(), event.stream.provider_call_id.as_ref());
+        let ending = Ending { reason, error: None };
+        // Each close delists its stream before it can fail, so that after a failure the event
+        // applied again ends the others.
+        let of_call = |streams: &LinkedHashMap<Box<str>, OpenStream>, id: &str| {
+            streams.get(id).is_some_and(|open| open.of_call(call))
+        };
+        while let Some(id) =
+            self.segments.get(message_id).and_then(|ids| ids.iter().find(|id| of_call(&self.streams, id)).cloned())
+        {
+            let open = self.streams.remove(&id).expect("listed streams are open");
+            self.close(id, open, None, ending, sink);
+            self.stats.finished += 1;
         }
     }
 
@@ -458,9 +503,11 @@ impl StreamTable {
         opened(&span);
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
-        let message_id = (message_id != stream_id).then(|| {
+        let segment_of = (message_id != stream_id).then(|| {
             self.segments.entry(message_id.into()).or_default().push(stream_id.into());
-            message_id.into()
+            let call = event.stream.provider_call_id.as_ref();
+            let provider_call = (!call.is_empty() && call.len() <= MAX_ID_BYTES).then(|| call.into());
+            Box::new(SegmentOf { message_id: message_id.into(), provider_call })
         });
         let open = OpenStream {
             state: StreamState::new(),
@@ -469,14 +516,14 @@ impl StreamTable {
             span,
             last_input: 0,
             partition,
-            message_id,
+            segment_of,
         };
         self.streams.insert(stream_id.into(), open);
     }
 
     /// Takes stream `id`, no longer open, off its message's list of segments.
     fn delist(&mut self, id: &str, open: &OpenStream) {
-        let Some(message_id) = open.message_id.as_deref() else { return };
+        let Some(message_id) = open.segment_of.as_ref().map(|of| of.message_id.as_ref()) else { return };
         if let Some(ids) = self.segments.get_mut(message_id) {
             ids.retain(|listed| listed.as_ref() != id);
             if ids.is_empty() {
@@ -674,6 +721,47 @@ mod tests {
         out.clear();
         t.apply(&uncorrelated("error", "quiet"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         assert_eq!(finals(&out), vec![error("quiet")]);
+        assert_eq!(t.len(), 1, "only the other message's segment is open");
+    }
+
+    #[test]
+    fn the_end_of_a_provider_call_ends_its_open_segments_and_the_event_goes_through() {
+        let mut t = table(10);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let segment_of_call = |segment: &str, call: &str| {
+            let call = if call.is_empty() { String::new() } else { format!(r#","provider_call_id":"{call}""#) };
+            let json = format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{segment}"{call}}},"delta":"x <core:x:v1>a: 1"}}"#
+            );
+            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+        };
+        let call_finished = |call: &str| {
+            let json = format!(
+                r#"{{"type":"provider-call-finished","meta":{{"message_id":"m"}},"correlation":{{"provider_call_id":"{call}"}},"finish_class":"cancelled"}}"#
+            );
+            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+        };
+        for (segment, call) in [("a", "p1"), ("b", "p2"), ("c", "p1"), ("d", "")] {
+            t.apply(&segment_of_call(segment, call), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        }
+        t.apply(&segment("other", "o"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        out.clear();
+        // p1's segments, and the one that named no call, end; p2's and another message's stay.
+        let got = t.apply(&call_finished("p1"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(got, Disposition::PassThrough);
+        let cancelled = |id: &str| (id.to_owned(), "cancelled".to_owned(), String::new());
+        assert_eq!(finals(&out), vec![cancelled("a"), cancelled("c"), cancelled("d")]);
+        assert_eq!(t.take_closed(), vec![Box::from("a"), Box::from("c"), Box::from("d")]);
+        assert_eq!((t.len(), t.stats().finished), (2, 3));
+        // The same end again, or the end of a call with nothing open, changes nothing.
+        for event in [call_finished("p1"), call_finished("p9")] {
+            out.clear();
+            assert_eq!(t.apply(&event, UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {}), Disposition::PassThrough);
+            assert!(out.is_empty() && t.take_closed().is_empty());
+        }
+        t.apply(&call_finished("p2"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!(finals(&out), vec![cancelled("b")]);
         assert_eq!(t.len(), 1, "only the other message's segment is open");
     }
 

@@ -173,7 +173,14 @@ impl<S: ShardSink> Shard<S> {
                 }
                 sink.applied(&event.stream.stream_id, envelope, standing).await;
             }
-            Ok(Disposition::PassThrough) => sink.pass_through(envelope).await,
+            Ok(Disposition::PassThrough) => {
+                // The last outputs of segments the event ended (`provider-call-finished`), before
+                // the event itself is forwarded.
+                for p in outputs.drain(..) {
+                    sink.publish(p, Some(&envelope)).await;
+                }
+                sink.pass_through(envelope).await
+            }
             Ok(Disposition::Late) => sink.dead_letter(envelope, "stream_finished").await,
             Err(_) => {
                 // Only streams that did close (a failure while closing the event's own stream has
@@ -277,6 +284,9 @@ impl<E> ShardEvent<E> {
 }
 
 /// What a worker's inbox carries, in the order the worker must handle it.
+// Events go through the inbox by value: boxing them would cost an allocation per event, for the
+// sake of a variant that comes once per partition handed over.
+#[allow(clippy::large_enum_variant)]
 enum Work<E> {
     Event(ShardEvent<E>),
     /// Give up the open streams of this input partition, after the events queued before.
@@ -804,6 +814,21 @@ mod tests {
             !log.iter().any(|l| l.contains(" m:1 ") || l.starts_with("dead 3")),
             "no stream of the message id: {log:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn segments_a_provider_call_end_leaves_open_are_published_before_it_is_forwarded() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(60)), log.clone()));
+        let delta = r#"{"type":"text-delta","meta":{"message_id":"m"},"correlation":{"segment_id":"s","provider_call_id":"p"},"delta":"hi"}"#;
+        set.route(event(delta, 1)).await.unwrap();
+        let end = r#"{"type":"provider-call-finished","meta":{"message_id":"m"},"correlation":{"provider_call_id":"p"},"finish_class":"failed"}"#;
+        set.route(event(end, 2)).await.unwrap();
+        set.shutdown().await;
+        let log = log.0.lock().unwrap().clone();
+        let final_of_s =
+            log.iter().position(|l| l == "chat.filtered s:2 Some(2)").expect("s's final, caused by the end");
+        assert!(final_of_s < at(&log, "pass 2") && at(&log, "pass 2") < at(&log, "closed s"), "{log:?}");
     }
 
     #[tokio::test]

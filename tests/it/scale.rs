@@ -735,11 +735,12 @@ async fn an_open_stream_holds_only_its_first_event_unacknowledged() {
 }
 
 /// With JetStream input, an `error` naming no segment (the legacy shape the canonical vocabulary
-/// keeps) ends the open segments of its message at once, as the offline replay does, and every
-/// input event is acknowledged. Before, the segments held their first events unacknowledged until
-/// idle expiry, and the error opened and ended a stream of the message id.
+/// keeps) ends the open segments of its message at once, and so does the end of a provider call
+/// those of the call, as the offline replay does, and every input event is acknowledged. Before,
+/// the segments held their first events unacknowledged until idle expiry, and the error opened
+/// and ended a stream of the message id.
 #[tokio::test]
-async fn an_error_naming_no_segment_ends_its_messages_segments_and_is_acknowledged() {
+async fn an_error_or_a_call_end_ends_open_segments_and_every_event_is_acknowledged() {
     let server = NatsServer::builder().config(mapping(1)).start();
     let service = RunningService::start(one_partition_config(&server.url())).await.unwrap();
     let (_client, js, mut out) = downstream(&server.url()).await;
@@ -749,11 +750,15 @@ async fn an_error_naming_no_segment_ends_its_messages_segments_and_is_acknowledg
         )
     };
     let error = r#"{"type":"error","error":{},"meta":{"message_id":"m-1"},"error_string":"provider failed"}"#;
-    let events: Vec<(String, String)> =
+    let mut events: Vec<(String, String)> =
         [delta("m-1:a", "Looking "), delta("m-1:b", "up"), delta("m-1:a", "more"), error.to_owned()]
             .into_iter()
             .map(|event| ("m-1".to_owned(), event))
             .collect();
+    // A provider call cancelled with its segment open: its end ends the segment.
+    let segment = r#"{"type":"text-delta","meta":{"message_id":"m-2"},"correlation":{"segment_id":"m-2:a","provider_call_id":"pc"},"delta":"Half"}"#;
+    let end = r#"{"type":"provider-call-finished","meta":{"message_id":"m-2"},"correlation":{"provider_call_id":"pc"},"finish_class":"cancelled"}"#;
+    events.extend([segment, end].map(|event| ("m-2".to_owned(), event.to_owned())));
     let expected = replayed(&test_config(&server.url()), &events);
     publish_inputs(&js, &events, 0..events.len()).await;
     let input = js.get_stream("CHAT_RAW").await.unwrap();
@@ -762,11 +767,12 @@ async fn an_error_naming_no_segment_ends_its_messages_segments_and_is_acknowledg
     let got = group(&read_all(&mut out, expected.values().map(Vec::len).sum()).await);
     service.shutdown().await.unwrap();
     assert_eq!(state, (last, 0, 0), "every event acknowledged");
-    assert_eq!(got.keys().collect::<Vec<_>>(), ["m-1:a", "m-1:b"], "no stream of the message id: {got:?}");
+    assert_eq!(got.keys().collect::<Vec<_>>(), ["m-1:a", "m-1:b", "m-2:a"], "no stream of a message id: {got:?}");
     for (segment, outputs) in &got {
         let end = &outputs.last().unwrap().1;
-        assert_eq!((&end["final"], &end["finish_reason"]), (&true.into(), &"error".into()), "{segment}: {end}");
-        assert_eq!(end["error"], "provider failed", "{segment}: {end}");
+        let (reason, error) = if segment.starts_with("m-1") { ("error", "provider failed") } else { ("cancelled", "") };
+        assert_eq!((&end["final"], &end["finish_reason"]), (&true.into(), &reason.into()), "{segment}: {end}");
+        assert_eq!(end["error"].as_str().unwrap_or_default(), error, "{segment}: {end}");
     }
     assert_eq!(got, expected);
 }

@@ -699,6 +699,41 @@ async fn an_error_or_interrupt_naming_no_segment_ends_the_open_segments_of_its_m
     assert_eq!((&stop["type"], &stop["text"]), (&"interrupt".into(), &"Halfway".into()), "{stop}");
 }
 
+/// geppetto sends `provider-call-finished` after a provider call's last event. A segment still
+/// open then was cut short: geppetto's OpenAI Responses engine finishes no segment when the call
+/// is cancelled or its connection fails. The segment ends at once with the call's
+/// `finish_class`, and the event is forwarded unchanged, as before. Before, the segment stayed
+/// open until idle expiry.
+#[tokio::test]
+async fn the_end_of_a_provider_call_ends_its_open_segments_and_is_forwarded() {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    config.input.pass_through_subject = "chat.other".into();
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    let mut other = client.subscribe("chat.other").await.unwrap();
+    client.flush().await.unwrap();
+    let delta = r#"{"type":"text-delta","meta":{"message_id":"c-1"},"correlation":{"segment_id":"c-1:a","provider_call_id":"pc-1"},"delta":"Half an \u003cmy"}"#;
+    let end = r#"{"type":"provider-call-finished","meta":{"message_id":"c-1"},"correlation":{"provider_call_id":"pc-1"},"stop_reason":"cancelled","finish_class":"cancelled"}"#;
+    for event in [delta, end] {
+        client.publish("chat", event.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    // The idle timeout is minutes: only the event's own effect ends the segment this soon.
+    let got =
+        collect(&mut filtered, Duration::from_secs(10), |ms| ms.iter().any(|m| as_json(m)["final"] == true)).await;
+    let forwarded = collect(&mut other, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    service.shutdown().await.unwrap();
+    let end_of_segment = as_json(got.last().expect("outputs"));
+    assert_eq!(end_of_segment["final"], true, "{end_of_segment}");
+    assert_eq!(end_of_segment["stream"]["stream_id"], "c-1:a");
+    assert_eq!(end_of_segment["finish_reason"], "cancelled");
+    assert_eq!(end_of_segment["text"], "Half an <my", "held-back bytes released");
+    assert_eq!(forwarded.len(), 1);
+    assert_eq!(forwarded[0].payload.as_ref(), end.as_bytes(), "forwarded unchanged");
+}
+
 /// `nats.retry_on_initial_connect`: with no server reachable, start-up waits for one, alive
 /// (`/healthz` answers) but not ready (`/readyz` 503); once a server is up it completes, becomes
 /// ready and processes events.
