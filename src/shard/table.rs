@@ -7,14 +7,13 @@
 //! `expired`), and the last `finished_memory` finished stream ids are remembered so that a late
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
 //! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
-//! its message, which a list of the open segments by message id finds. It knows nothing of
-//! tokio, NATS or wire bytes.
+//! its message, and `provider-call-finished` the open segments of its call: [`Segments`] finds
+//! them. It knows nothing of tokio, NATS or wire bytes.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use hashlink::linked_hash_map::RawEntryMut;
-use hashlink::{DefaultHashBuilder, LinkedHashMap, LinkedHashSet};
+use hashlink::{LinkedHashMap, LinkedHashSet};
 
 use crate::codec::inbound::{EventAction, InboundEvent, MAX_ID_BYTES};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
@@ -108,22 +107,73 @@ struct OpenStream {
     segment_of: Option<Box<SegmentOf>>,
 }
 
-/// The message and provider call a segment belongs to.
+/// The message and provider call a segment belongs to: where [`Segments`] lists it.
 struct SegmentOf {
-    /// The key it is listed under in [`StreamTable::segments`].
     message_id: Box<str>,
-    /// Its `correlation.provider_call_id`; `None` when it had none (or one longer than
+    /// Its `correlation.provider_call_id`; empty when it had none (or one longer than
     /// [`MAX_ID_BYTES`], not kept): then the end of any call of its message ends it.
-    provider_call: Option<Box<str>>,
+    provider_call: Box<str>,
 }
 
-impl OpenStream {
-    /// Whether it is a segment of provider call `call` (any call of its message, if `call` is
-    /// empty).
-    fn of_call(&self, call: &str) -> bool {
-        self.segment_of
-            .as_ref()
-            .is_some_and(|of| call.is_empty() || of.provider_call.as_deref().is_none_or(|c| c == call))
+/// The open segments (streams whose id is not their message id), by message id, then provider
+/// call, each in the order they opened (calls in the order they were first seen). An event that
+/// ends a message or a call names no segment, and finds its segments here: each lookup costs the
+/// segments it ends, whatever else is open. Every segment listed is open; an emptied list goes
+/// with its last segment, so this holds no more than the table does.
+#[derive(Default)]
+struct Segments(LinkedHashMap<Box<str>, CallSegments>);
+
+/// One message's open segments, by provider call.
+type CallSegments = LinkedHashMap<Box<str>, LinkedHashSet<Box<str>>>;
+
+impl Segments {
+    fn add(&mut self, of: &SegmentOf, id: &str) {
+        let calls = self.0.entry(of.message_id.clone()).or_insert_with(LinkedHashMap::new);
+        calls.entry(of.provider_call.clone()).or_insert_with(LinkedHashSet::new).insert(id.into());
+    }
+
+    fn remove(&mut self, of: &SegmentOf, id: &str) {
+        let Some(calls) = self.0.get_mut(&of.message_id) else { return };
+        if let Some(ids) = calls.get_mut(&of.provider_call) {
+            ids.remove(id);
+            if ids.is_empty() {
+                calls.remove(&of.provider_call);
+            }
+        }
+        if calls.is_empty() {
+            self.0.remove(&of.message_id);
+        }
+    }
+
+    fn has_message(&self, message_id: &str) -> bool {
+        self.0.contains_key(message_id)
+    }
+
+    /// The segments of `message_id`: of provider call `call` and of none, or of every call when
+    /// `call` is `None`.
+    fn of(&self, message_id: &str, call: Option<&str>) -> Vec<Box<str>> {
+        let Some(calls) = self.0.get(message_id) else { return Vec::new() };
+        let listed = |call: &str| calls.get(call).into_iter().flatten().cloned();
+        match call {
+            Some(call) if !call.is_empty() => listed(call).chain(listed("")).collect(),
+            _ => calls.values().flatten().cloned().collect(),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Bytes of the ids it keeps.
+    fn heap_bytes(&self) -> usize {
+        let ids = |ids: &LinkedHashSet<Box<str>>| ids.iter().map(|id| id.len()).sum::<usize>();
+        let calls = |calls: &CallSegments| calls.iter().map(|(call, listed)| call.len() + ids(listed)).sum::<usize>();
+        self.0.iter().map(|(message, listed)| message.len() + calls(listed)).sum()
     }
 }
 
@@ -134,11 +184,8 @@ pub struct StreamTable {
     limits: TableLimits,
     /// Open streams, least recently used first.
     streams: LinkedHashMap<Box<str>, OpenStream>,
-    /// The open streams whose id is not their message id (canonical segments), by message id, in
-    /// the order they opened: an event that ends its message ([`InboundEvent::ends_message`])
-    /// names no segment, and finds them here. Every stream listed is open; a message's list is
-    /// removed with its last stream, so this holds no more than `streams` does.
-    segments: HashMap<Box<str>, Vec<Box<str>>, DefaultHashBuilder>,
+    /// The open segments, for the events that end them without naming them.
+    segments: Segments,
     /// Recently finished stream ids, oldest first.
     finished: LinkedHashSet<Box<str>>,
     /// Streams closed since the last [`StreamTable::take_closed`].
@@ -186,7 +233,7 @@ impl StreamTable {
             encoder,
             limits,
             streams: LinkedHashMap::new(),
-            segments: HashMap::default(),
+            segments: Segments::default(),
             finished: LinkedHashSet::new(),
             closed: Vec::new(),
             closing: None,
@@ -220,17 +267,15 @@ impl StreamTable {
 
     /// Bytes held on the heap by open streams (payloads, retained text, held bytes, headers).
     pub fn heap_bytes(&self) -> usize {
-        let listed: usize =
-            self.segments.iter().map(|(m, ids)| m.len() + ids.iter().map(|id| id.len()).sum::<usize>()).sum();
-        let message_ids: usize = self
+        let segments_of: usize = self
             .streams
             .values()
             .filter_map(|s| s.segment_of.as_ref())
-            .map(|of| size_of::<SegmentOf>() + of.message_id.len() + of.provider_call.as_ref().map_or(0, |c| c.len()))
+            .map(|of| size_of::<SegmentOf>() + of.message_id.len() + of.provider_call.len())
             .sum();
         let streams: usize =
             self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum();
-        streams + message_ids + listed
+        streams + segments_of + self.segments.heap_bytes()
     }
 
     /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
@@ -285,22 +330,15 @@ impl StreamTable {
                 Disposition::Applied
             }
             EventAction::Finish { text, reason, error }
-                if event.ends_message() && self.segments.contains_key(event.stream.message_id.as_ref()) =>
+                if event.ends_message() && self.segments.has_message(&event.stream.message_id) =>
             {
                 // An `error` or `interrupt` naming no segment ends every open stream of its
-                // message, segments first, oldest first. (This assumes no segment of a message
+                // message: segments first, call by call, oldest first. (This assumes no segment of a message
                 // opens after the event that ended it: a redelivery of the event interleaved after
                 // one would end it too.)
                 let ending = Ending { reason, error: error.as_deref() };
-                let message_id = event.stream.message_id.as_ref();
-                // Each close delists its stream before it can fail, so that after a failure the
-                // event applied again ends the others.
-                while let Some(id) = self.segments.get(message_id).and_then(|ids| ids.first()).cloned() {
-                    let open = self.streams.remove(&id).expect("listed streams are open");
-                    // The event's text is the whole message's, not the segment's.
-                    self.close(id, open, None, ending, sink);
-                    self.stats.finished += 1;
-                }
+                // The event's text is the whole message's, not a segment's.
+                self.end_segments(self.segments.of(&event.stream.message_id, None), ending, sink);
                 match self.streams.remove(stream_id) {
                     Some(open) => {
                         self.close(stream_id.into(), open, text.as_deref(), ending, sink);
@@ -330,19 +368,17 @@ impl StreamTable {
     }
 
     /// Ends every open segment of the provider call that `event` (`provider-call-finished`) ended,
-    /// oldest first, with `reason`.
+    /// with `reason`.
     fn end_call(&mut self, event: &InboundEvent<'_>, reason: &str, sink: &mut impl FnMut(Publication)) {
-        let (message_id, call) = (event.stream.message_id.as_ref(), event.stream.provider_call_id.as_ref());
-        let ending = Ending { reason, error: None };
-        // Each close delists its stream before it can fail, so that after a failure the event
-        // applied again ends the others.
-        let of_call = |streams: &LinkedHashMap<Box<str>, OpenStream>, id: &str| {
-            streams.get(id).is_some_and(|open| open.of_call(call))
-        };
-        while let Some(id) =
-            self.segments.get(message_id).and_then(|ids| ids.iter().find(|id| of_call(&self.streams, id)).cloned())
-        {
-            let open = self.streams.remove(&id).expect("listed streams are open");
+        let ids = self.segments.of(&event.stream.message_id, Some(&event.stream.provider_call_id));
+        self.end_segments(ids, Ending { reason, error: None }, sink);
+    }
+
+    /// Ends the open segments `ids`, in that order, with `ending`. Each close delists its segment
+    /// before it can fail, so that after a failure the event applied again ends the others.
+    fn end_segments(&mut self, ids: Vec<Box<str>>, ending: Ending<'_>, sink: &mut impl FnMut(Publication)) {
+        for id in ids {
+            let open = self.streams.remove(&id).expect("listed segments are open");
             self.close(id, open, None, ending, sink);
             self.stats.finished += 1;
         }
@@ -504,10 +540,11 @@ impl StreamTable {
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
         let segment_of = (message_id != stream_id).then(|| {
-            self.segments.entry(message_id.into()).or_default().push(stream_id.into());
             let call = event.stream.provider_call_id.as_ref();
-            let provider_call = (!call.is_empty() && call.len() <= MAX_ID_BYTES).then(|| call.into());
-            Box::new(SegmentOf { message_id: message_id.into(), provider_call })
+            let provider_call = if call.len() <= MAX_ID_BYTES { call.into() } else { Box::default() };
+            let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
+            self.segments.add(&of, stream_id);
+            of
         });
         let open = OpenStream {
             state: StreamState::new(),
@@ -521,14 +558,10 @@ impl StreamTable {
         self.streams.insert(stream_id.into(), open);
     }
 
-    /// Takes stream `id`, no longer open, off its message's list of segments.
+    /// Takes stream `id`, no longer open, off the list of segments.
     fn delist(&mut self, id: &str, open: &OpenStream) {
-        let Some(message_id) = open.segment_of.as_ref().map(|of| of.message_id.as_ref()) else { return };
-        if let Some(ids) = self.segments.get_mut(message_id) {
-            ids.retain(|listed| listed.as_ref() != id);
-            if ids.is_empty() {
-                self.segments.remove(message_id);
-            }
+        if let Some(of) = &open.segment_of {
+            self.segments.remove(of, id);
         }
     }
 
