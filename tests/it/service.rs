@@ -32,6 +32,35 @@ pub fn test_config(url: &str) -> Config {
     config
 }
 
+/// A service running on a server of its own, as `configure` leaves [`test_config`]. Bind every
+/// field: the server stops when dropped.
+pub struct Running {
+    pub server: NatsServer,
+    pub service: RunningService,
+    pub client: async_nats::Client,
+}
+
+/// Starts a server, the service on it (configured by `configure`) and a client subscribed to
+/// each of `subjects`, flushed so that the server has the subscriptions before anything is
+/// published.
+pub async fn running<const N: usize>(
+    configure: impl FnOnce(&mut Config),
+    subjects: [&str; N],
+) -> (Running, [async_nats::Subscriber; N]) {
+    let server = NatsServer::start();
+    let mut config = test_config(&server.url());
+    configure(&mut config);
+    let service = RunningService::start(config).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut subscribers = Vec::with_capacity(N);
+    for subject in subjects {
+        subscribers.push(client.subscribe(subject.to_owned()).await.unwrap());
+    }
+    client.flush().await.unwrap();
+    let subscribers = subscribers.try_into().unwrap_or_else(|_| unreachable!("one per subject"));
+    (Running { server, service, client }, subscribers)
+}
+
 /// Collects every message on `subject` until `done` says stop or `timeout` passes without one.
 pub async fn collect(
     sub: &mut async_nats::Subscriber,
@@ -542,16 +571,15 @@ async fn replicas_are_discoverable_and_report_health() {
     service.shutdown().await.unwrap();
 }
 
+/// Text as geppetto events (`output.format = "geppetto-json"`).
+fn geppetto_json(config: &mut Config) {
+    config.output.format = structured_sink::config::OutputFormat::GeppettoJson;
+}
+
 #[tokio::test]
 async fn geppetto_json_output_keeps_each_streams_vocabulary() {
-    let server = NatsServer::start();
-    let mut config = test_config(&server.url());
-    config.output.format = structured_sink::config::OutputFormat::GeppettoJson;
-    let service = RunningService::start(config).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    let mut blocks = client.subscribe("chat.structured.>").await.unwrap();
-    client.flush().await.unwrap();
+    let (Running { server: _server, service, client }, [mut filtered, mut blocks]) =
+        running(geppetto_json, ["chat.filtered", "chat.structured.>"]).await;
     for line in include_str!("../../examples/transcripts/conversation.jsonl").lines() {
         client.publish("chat", line.as_bytes().to_vec().into()).await.unwrap();
     }
@@ -656,13 +684,8 @@ async fn upstream_errors_and_interrupts_end_their_streams_with_what_they_said() 
 /// last text held back) and the event opened and ended a stream of the message id instead.
 #[tokio::test]
 async fn an_error_or_interrupt_naming_no_segment_ends_the_open_segments_of_its_message() {
-    let server = NatsServer::start();
-    let mut config = test_config(&server.url());
-    config.output.format = structured_sink::config::OutputFormat::GeppettoJson;
-    let service = RunningService::start(config).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let (Running { server: _server, service, client }, [mut filtered]) =
+        running(geppetto_json, ["chat.filtered"]).await;
     let delta = |message: &str, segment: &str, text: &str| {
         format!(
             r#"{{"type":"text-delta","meta":{{"message_id":"{message}"}},"correlation":{{"segment_id":"{segment}"}},"delta":"{text}"}}"#
@@ -706,14 +729,9 @@ async fn an_error_or_interrupt_naming_no_segment_ends_the_open_segments_of_its_m
 /// open until idle expiry.
 #[tokio::test]
 async fn the_end_of_a_provider_call_ends_its_open_segments_and_is_forwarded() {
-    let server = NatsServer::start();
-    let mut config = test_config(&server.url());
-    config.input.pass_through_subject = "chat.other".into();
-    let service = RunningService::start(config).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    let mut other = client.subscribe("chat.other").await.unwrap();
-    client.flush().await.unwrap();
+    let pass_through = |config: &mut Config| config.input.pass_through_subject = "chat.other".into();
+    let (Running { server: _server, service, client }, [mut filtered, mut other]) =
+        running(pass_through, ["chat.filtered", "chat.other"]).await;
     let delta = r#"{"type":"text-delta","meta":{"message_id":"c-1"},"correlation":{"segment_id":"c-1:a","provider_call_id":"pc-1"},"delta":"Half an \u003cmy"}"#;
     let end = r#"{"type":"provider-call-finished","meta":{"message_id":"c-1"},"correlation":{"provider_call_id":"pc-1"},"stop_reason":"cancelled","finish_class":"cancelled"}"#;
     for event in [delta, end] {
