@@ -141,12 +141,13 @@ impl<S: ShardSink> Shard<S> {
                 match table.recover_failed_close() {
                     Some(id) if id.as_ref() == own => own_close_failed = true,
                     // Closing another stream failed: one evicted to make room, or a segment the
-                    // event ended with its message. That costs that stream only, and the event is
-                    // applied again. Eviction comes before the event's stream opens, so the event
-                    // touched nothing yet, and there is room now; the segments of a message that
-                    // the event already ended are closed and delisted, so it ends the others (or,
-                    // were the failed one the last, the stream of its own id, as when none is
-                    // open). Each retry has one stream fewer open, so this ends.
+                    // event ended with its message or provider call. That costs that stream only,
+                    // and the event is applied again. Eviction comes before the event's stream
+                    // opens, so the event touched nothing yet, and there is room now; the
+                    // segments the event already ended are closed and delisted, so it ends the
+                    // others (an `error` whose failed segment was the last then ends the stream
+                    // of its own id, as when none is open). Each retry has one stream fewer open,
+                    // so this ends.
                     Some(other) => {
                         outputs.retain(|p| p.stream_id() != other.as_ref());
                         tracing::error!(shard = *index, stream_id = %other, "closing a stream failed; it was discarded");
