@@ -160,7 +160,8 @@ label_enum! {
 label_enum! {
     /// Why a stream was closed (label `reason` of `streams_closed_total`).
     CloseReason, label = "reason" {
-        /// Its own final, segment-finished, interrupt or error event.
+        /// Its own final, segment-finished, interrupt or error event, or an error, interrupt or
+        /// provider call end that ended it without naming it.
         Finished => "finished",
         /// No event for `shards.idle_timeout_ms`.
         Expired => "expired",

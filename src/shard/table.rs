@@ -49,7 +49,8 @@ pub enum Disposition {
 pub struct TableStats {
     /// Streams opened.
     pub opened: u64,
-    /// Streams closed by their own final, interrupt or error event.
+    /// Streams closed by their own final, interrupt or error event, or by an event that ended
+    /// their message or provider call.
     pub finished: u64,
     /// Streams closed for being idle.
     pub expired: u64,
