@@ -512,6 +512,12 @@ mod tests {
         }
     }
 
+    /// One shard worker over `table`, recording into `log`.
+    fn one_shard(table: StreamTable, log: &Recorder) -> ShardSet<u32> {
+        let mut table = Some(table);
+        ShardSet::start(settings(1), |_| (table.take().expect("one shard"), log.clone()))
+    }
+
     /// Where `line` is in `log`; panics, showing the log, when it is not there.
     fn at(log: &[String], line: &str) -> usize {
         log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"))
@@ -630,11 +636,9 @@ mod tests {
     #[tokio::test]
     async fn a_failure_inside_one_stream_costs_that_stream_only() {
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = table(Duration::from_secs(60));
-            table.panic_on_delta = Some("boom");
-            (table, log.clone())
-        });
+        let mut failing = table(Duration::from_secs(60));
+        failing.panic_on_delta = Some("boom");
+        let set = one_shard(failing, &log);
         set.route(delta("bad", "before ", 1)).await.unwrap();
         set.route(delta("good", "a ", 2)).await.unwrap();
         set.route(delta("bad", "boom", 3)).await.unwrap();
@@ -655,11 +659,9 @@ mod tests {
     async fn a_failure_leaves_nothing_of_its_stream_for_the_next_one() {
         use prost::Message as _;
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = table(Duration::from_secs(60));
-            table.panic_on_output = Some("boom");
-            (table, log.clone())
-        });
+        let mut failing = table(Duration::from_secs(60));
+        failing.panic_on_output = Some("boom");
+        let set = one_shard(failing, &log);
         // The block's payload is gathered in the pipeline's scratch, shared by the shard's
         // streams; emitting it fails.
         set.route(delta("bad", "hi <core:x:v1>secret boom", 1)).await.unwrap();
@@ -680,12 +682,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failure_while_closing_one_stream_costs_that_stream_only() {
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = table(Duration::from_secs(5));
-            // Held back as a possible tag, so only a final outputs it.
-            table.panic_on_output = Some("<core:x");
-            (table, log.clone())
-        });
+        let mut failing = table(Duration::from_secs(5));
+        // Held back as a possible tag, so only a final outputs it.
+        failing.panic_on_output = Some("<core:x");
+        let set = one_shard(failing, &log);
         set.route(delta("bad", "x <core:x", 1)).await.unwrap();
         tokio::time::sleep(Duration::from_secs(3)).await;
         set.route(delta("good", "y ", 2)).await.unwrap();
@@ -711,11 +711,9 @@ mod tests {
     #[tokio::test]
     async fn a_failure_after_an_eviction_still_publishes_the_evicted_streams_last_outputs() {
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = one_stream_table();
-            table.panic_on_delta = Some("boom");
-            (table, log.clone())
-        });
+        let mut failing = one_stream_table();
+        failing.panic_on_delta = Some("boom");
+        let set = one_shard(failing, &log);
         set.route(delta("old", "a <core:x:v1>half", 1)).await.unwrap();
         // Opening `new` evicts `old` (one stream at most), then processing `new`'s delta fails.
         set.route(delta("new", "boom", 2)).await.unwrap();
@@ -757,12 +755,10 @@ mod tests {
     #[tokio::test]
     async fn a_failure_while_evicting_a_stream_costs_the_evicted_stream_not_the_event() {
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = one_stream_table();
-            // Held back as a possible tag, so only closing `old` outputs it.
-            table.panic_on_output = Some("<core:x");
-            (table, log.clone())
-        });
+        let mut failing = one_stream_table();
+        // Held back as a possible tag, so only closing `old` outputs it.
+        failing.panic_on_output = Some("<core:x");
+        let set = one_shard(failing, &log);
         set.route(delta("old", "a <core:x", 1)).await.unwrap();
         // Opening `new` evicts `old` (one stream at most), and closing `old` fails.
         set.route(delta("new", "hello", 2)).await.unwrap();
@@ -787,12 +783,10 @@ mod tests {
     #[tokio::test]
     async fn a_failure_while_an_error_ends_its_messages_segments_costs_that_segment_only() {
         let log = Recorder::default();
-        let set = ShardSet::start(settings(1), |_| {
-            let mut table = table(Duration::from_secs(60));
-            // Held back as a possible tag, so only closing `m:s1` outputs it.
-            table.panic_on_output = Some("<core:x");
-            (table, log.clone())
-        });
+        let mut failing = table(Duration::from_secs(60));
+        // Held back as a possible tag, so only closing `m:s1` outputs it.
+        failing.panic_on_output = Some("<core:x");
+        let set = one_shard(failing, &log);
         let segment = |id: &str, text: &str, envelope| {
             let json = format!(
                 r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{id}"}},"delta":"{text}"}}"#
