@@ -541,10 +541,9 @@ fn call_end_reason(payload: &[u8]) -> Cow<'_, str> {
         #[serde(borrow, default)]
         stop_reason: Option<&'a RawValue>,
     }
-    let string = |raw: Option<&RawValue>| {
-        let text = serde_json::from_str::<Str<'_>>(raw?.get()).ok()?.0;
-        (!text.is_empty()).then(|| Cow::Owned(text.into_owned()))
-    };
+    fn string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+        non_empty(cow(serde_json::from_str(raw?.get()).ok()))
+    }
     serde_json::from_slice::<CallEnd<'_>>(payload)
         .ok()
         .and_then(|end| string(end.finish_class).or_else(|| string(end.stop_reason)))
