@@ -142,11 +142,6 @@ impl StreamHeader {
         &self.stream_id
     }
 
-    /// Heap bytes held (for memory accounting).
-    pub fn heap_bytes(&self) -> usize {
-        self.stream_id.len() + self.stream_field.len()
-    }
-
     fn item_id(&self, item: Item) -> String {
         numbered(&self.stream_id, u64::from(item.number))
     }

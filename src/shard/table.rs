@@ -169,13 +169,6 @@ impl Segments {
     fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-
-    /// Bytes of the ids it keeps.
-    fn heap_bytes(&self) -> usize {
-        let ids = |ids: &LinkedHashSet<Box<str>>| ids.iter().map(|id| id.len()).sum::<usize>();
-        let calls = |calls: &CallSegments| calls.iter().map(|(call, listed)| call.len() + ids(listed)).sum::<usize>();
-        self.0.iter().map(|(message, listed)| message.len() + calls(listed)).sum()
-    }
 }
 
 /// One shard's streams.
@@ -264,19 +257,6 @@ impl StreamTable {
     /// The pipeline's counters.
     pub fn pipeline_stats(&self) -> PipelineStats {
         self.pipeline.stats()
-    }
-
-    /// Bytes held on the heap by open streams (payloads, retained text, held bytes, headers).
-    pub fn heap_bytes(&self) -> usize {
-        let segments_of: usize = self
-            .streams
-            .values()
-            .filter_map(|s| s.segment_of.as_ref())
-            .map(|of| size_of::<SegmentOf>() + of.message_id.len() + of.provider_call.len())
-            .sum();
-        let streams: usize =
-            self.streams.iter().map(|(k, s)| k.len() + s.state.heap_bytes() + s.header.heap_bytes()).sum();
-        streams + segments_of + self.segments.heap_bytes()
     }
 
     /// Applies one decoded event at `now`; its outputs go to `sink` in stream order. When the
