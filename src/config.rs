@@ -947,13 +947,13 @@ impl Config {
                 out.push_str(&format!("# partitions owned ({} of {}): {list}\n", owned.len(), self.partitions.count));
             }
         }
-        let kind = |kind| match kind {
-            TagKind::Block => "block",
-            TagKind::Channel => "channel",
-            TagKind::ToolCall => "tool_call",
-        };
-        let tags: Vec<String> =
-            pipeline.tags().iter().map(|t| format!("{} ({})", t.spec.name, kind(t.spec.kind))).collect();
+        // Kinds as the configuration spells them (`TagKind`'s serde names).
+        let kind = |kind: TagKind| serde_json::to_value(kind).ok().and_then(|v| v.as_str().map(str::to_owned));
+        let tags: Vec<String> = pipeline
+            .tags()
+            .iter()
+            .map(|t| format!("{} ({})", t.spec.name, kind(t.spec.kind).unwrap_or_default()))
+            .collect();
         out.push_str(&format!("# tags: {}\n", tags.join(", ")));
         Ok(out)
     }
