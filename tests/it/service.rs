@@ -61,6 +61,16 @@ pub async fn running<const N: usize>(
     (Running { server, service, client }, subscribers)
 }
 
+/// Publishes `event` from a client of its own and returns what that client then received on
+/// `chat.filtered`, once something came or ten seconds passed without.
+async fn filtered_outputs_of(url: &str, event: &'static str) -> Vec<async_nats::Message> {
+    let client = async_nats::connect(url).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    client.publish("chat", event.into()).await.unwrap();
+    collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await
+}
+
 /// Collects every message on `subject` until `done` says stop or `timeout` passes without one.
 pub async fn collect(
     sub: &mut async_nats::Subscriber,
@@ -432,11 +442,8 @@ async fn readiness_follows_the_connection_across_a_server_restart() {
     wait_until(Duration::from_secs(20), "not ready without a server", || !service.is_ready()).await;
     server.restart();
     wait_until(Duration::from_secs(20), "ready once reconnected", || service.is_ready()).await;
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
-    client.publish("chat", r#"{"type":"partial","meta":{"message_id":"m"},"delta":"back"}"#.into()).await.unwrap();
-    let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    let out =
+        filtered_outputs_of(&server.url(), r#"{"type":"partial","meta":{"message_id":"m"},"delta":"back"}"#).await;
     assert_eq!(out.len(), 1, "the input subscription is restored");
     service.shutdown().await.unwrap();
 }
@@ -790,11 +797,8 @@ async fn with_retry_on_initial_connect_start_up_waits_for_a_server_alive_but_not
     let service =
         tokio::time::timeout(Duration::from_secs(60), starting).await.expect("start-up completes").unwrap().unwrap();
     assert!(get("/readyz").await.unwrap().starts_with("HTTP/1.1 200"), "ready once started");
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
-    client.publish("chat", r#"{"type":"final","meta":{"message_id":"late"},"text":"hello"}"#.into()).await.unwrap();
-    let out = collect(&mut filtered, Duration::from_secs(10), |ms| !ms.is_empty()).await;
+    let out =
+        filtered_outputs_of(&server.url(), r#"{"type":"final","meta":{"message_id":"late"},"text":"hello"}"#).await;
     assert_eq!(out.len(), 1, "events flow once connected");
     service.shutdown().await.unwrap();
 }
