@@ -9,8 +9,9 @@
 //!
 //! Shutdown, in this order, within `service.shutdown_timeout_ms`: stop input (drain every
 //! subscription, dispatching what was already delivered), let shards apply what is queued and
-//! close open streams with reason `shutdown`, flush the publisher, stop the service API and the
-//! HTTP server. Telemetry is shut down last by the caller.
+//! close open streams with reason `shutdown`, release held pins (`jetstream.pinned_client`),
+//! flush the publisher, stop the service API and the HTTP server. Telemetry is shut down last by
+//! the caller.
 
 mod input;
 
@@ -94,7 +95,7 @@ pub enum ServiceError {
 pub struct RunningService {
     client: async_nats::Client,
     cancel: CancellationToken,
-    dispatchers: Vec<JoinHandle<()>>,
+    dispatchers: Vec<JoinHandle<Option<input::PinRelease>>>,
     shards: Option<Arc<ShardSet<Envelope>>>,
     api: Option<async_nats::service::Service>,
     status: Option<JoinHandle<()>>,
@@ -353,8 +354,11 @@ impl RunningService {
     async fn stop_in_order(&mut self) {
         self.readiness.set_subscribed(false);
         self.cancel.cancel();
+        let mut releases = Vec::new();
         for dispatcher in self.dispatchers.drain(..) {
-            let _ = dispatcher.await;
+            if let Ok(Some(release)) = dispatcher.await {
+                releases.push(release);
+            }
         }
         // Every dispatcher has ended, so this is the last reference to the shard set.
         if let Some(shards) = self.shards.take() {
@@ -363,6 +367,9 @@ impl RunningService {
                 Err(_) => tracing::error!("shard set still referenced at shutdown"),
             }
         }
+        // Only now, with every queued event processed and its acks sent on this connection (which
+        // the server reads in order), may a standby take the pins over.
+        futures::future::join_all(releases.into_iter().map(input::PinRelease::release)).await;
         // Not a flush: it only hands the outputs to the socket, and closing a socket that holds
         // unread input (events still arriving, anything the server sent) makes the kernel reset
         // the connection and discard what it has not sent yet. The server's answer to a request

@@ -285,6 +285,31 @@ const PRIORITY_GROUP: &str = "sink";
 /// start the server pins each partition to its owner (the first client to pull gets the pin).
 const STANDBY_DELAY: Duration = Duration::from_secs(1);
 
+/// What releases a pin this replica held at shutdown, so that a standby takes over at once
+/// instead of after `pinned_ttl_ms` (the unacknowledged input of the streams open here is rebuilt
+/// there).
+///
+/// Used only once every shard has drained: events already handed to a shard are processed,
+/// published and acknowledged here. Released before, the standby would read them from the ack
+/// floor too and publish their outputs a second time, which only a deduplicating downstream
+/// stream hides. (A shutdown that times out before leaves the pin to lapse after
+/// `pinned_ttl_ms`, as after a crash.)
+pub struct PinRelease {
+    stream: stream::Stream,
+    consumer: String,
+}
+
+impl PinRelease {
+    /// Asks the server to release the pin; a failure leaves it to lapse after `pinned_ttl_ms`.
+    pub async fn release(self) {
+        let PinRelease { stream, consumer } = self;
+        match stream.unpin_consumer(&consumer, PRIORITY_GROUP).await {
+            Ok(()) => tracing::info!(%consumer, "released the pin"),
+            Err(e) => tracing::warn!(%consumer, error = %e, "releasing the pin failed; it lapses after pinned_ttl_ms"),
+        }
+    }
+}
+
 /// The pin of a pinned-client partition consumer. The server delivers a partition to one pinned
 /// pull client at a time; a delivery under a new pin id means the partition moved here (the
 /// previous client died, or stopped pulling for `pinned_ttl_ms`) and starts a [`Recovery`].
@@ -902,22 +927,13 @@ impl JetStreamSource {
         self.recovery.loss = Some(Loss { revealed: None, handled_through: self.recovery.seen_through });
     }
 
-    /// Shutdown: a replica holding the partition's pin stops pulling and releases the pin, so that a
-    /// standby takes over now instead of after `pinned_ttl_ms` (the unacknowledged input of the
-    /// streams open here is rebuilt there).
-    async fn release(&mut self) {
-        if self.pinned.as_ref().is_none_or(|p| p.pin.is_none()) {
-            return;
-        }
+    /// Shutdown: stops pulling and, for a replica holding the partition's pin, hands back what
+    /// releases it (see [`PinRelease`]).
+    fn stop(&mut self) -> Option<PinRelease> {
         // Stop pulling first, or the server could pin this replica's waiting pull request again.
         self.messages = None;
-        let name = &self.consumer.cached_info().name;
-        match self.recovery.stream.unpin_consumer(name, PRIORITY_GROUP).await {
-            Ok(()) => tracing::info!(consumer = %name, "released the pin"),
-            Err(e) => {
-                tracing::warn!(consumer = %name, error = %e, "releasing the pin failed; it lapses after pinned_ttl_ms")
-            }
-        }
+        self.pinned.as_ref().and_then(|p| p.pin.as_ref())?;
+        Some(PinRelease { stream: self.recovery.stream.clone(), consumer: self.consumer.cached_info().name.clone() })
     }
 
     /// Opens the pull stream, retrying until it opens; tells once when the consumer is gone.
@@ -1145,9 +1161,10 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// Runs until the source ends or shutdown; at shutdown a core subscription is drained and
     /// what it delivered is dispatched; a JetStream source simply stops (unacknowledged events
-    /// are delivered again to whoever consumes the partition next), releasing its pin if it holds
-    /// one. An owned shard is finished last.
-    pub async fn run(mut self) {
+    /// are delivered again to whoever consumes the partition next) and hands back its pin's
+    /// release if it holds one, for the caller to use once every shard has drained. An owned
+    /// shard is finished last.
+    pub async fn run(mut self) -> Option<PinRelease> {
         loop {
             let input = {
                 // Outside the wait, so that an expiry tick does not drop it: a JetStream source's
@@ -1171,21 +1188,28 @@ impl Dispatcher {
                 }
             };
             let Some(input) = input else { break };
-            let Some(input) = input else { return self.finish().await };
+            let Some(input) = input else {
+                self.finish().await;
+                return None;
+            };
             self.take(input).await;
             // What the source already holds is taken without another round of `select!`, at most
             // a burst at a time so that shutdown and expiry are still looked at.
             for _ in 1..BURST {
                 match self.source.ready() {
                     Some(Some(input)) => self.take(input).await,
-                    Some(None) => return self.finish().await,
+                    Some(None) => {
+                        self.finish().await;
+                        return None;
+                    }
                     None => break,
                 }
             }
         }
-        if let Source::JetStream(source) = &mut self.source {
-            source.release().await;
-        }
+        let release = match &mut self.source {
+            Source::JetStream(source) => source.stop(),
+            Source::Core(_) => None,
+        };
         if let Source::Core(subscriber) = &mut self.source {
             // async-nats' `drain` forgets the subscription on its next poll without waiting for
             // the server's PONG, so messages the server had already sent but the client had not
@@ -1223,6 +1247,7 @@ impl Dispatcher {
             }
         }
         self.finish().await;
+        release
     }
 
     /// No more input: an owned shard closes (or abandons) its streams and flushes.

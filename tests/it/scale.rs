@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
+use futures::StreamExt;
 use prost::Message as _;
 use serde_json::Value;
 use structured_sink::codec::subject::escape_token;
@@ -919,6 +920,62 @@ async fn a_pinned_consumer_takes_changed_settings_at_restart() {
             (Duration::from_millis(ttl_ms), Duration::from_millis(ack_wait_ms), max_ack_pending)
         );
     }
+}
+
+/// `jetstream.pinned_client`: a replica stopped gracefully releases its pin only once its shards
+/// have drained. Released first, as it was, the events still queued for its shard workers were
+/// processed and acknowledged after a standby could take the partition over, and the standby,
+/// reading the partition from the ack floor, published their outputs a second time.
+///
+/// A watcher sees the replica's acknowledgements and its unpin request in the order the server
+/// read them from the replica's connection: none of the acknowledgements may come after it.
+#[tokio::test]
+async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    if server.version() < (2, 11, 0) {
+        assert_pinned_client_refused(&server).await;
+        return;
+    }
+    let mut config = one_partition_config(&server.url());
+    config.jetstream.pinned_client = true;
+    config.shards.count = 2;
+    config.shards.inbox_capacity = 4_096;
+    // A first start creates the input stream and the consumer; the events wait for the second.
+    RunningService::start(config.clone()).await.unwrap().shutdown().await.unwrap();
+    // Outputs stored downstream: an event's acknowledgement waits for its outputs' confirmations,
+    // so the workers, not the input, set the pace.
+    let (_client, js, _out) = downstream(&server.url()).await;
+    // Few streams, many events each: all but each stream's first are acknowledged as applied.
+    let events = conversation(20, 500);
+    publish_inputs(&js, &events, 0..events.len()).await;
+
+    let watcher = async_nats::connect(server.url()).await.unwrap();
+    let mut seen = watcher.subscribe("$JS.>").await.unwrap();
+    watcher.flush().await.unwrap();
+    let mut service = Some(RunningService::start(config).await.unwrap());
+    let mut stopping = None;
+    let (mut acks, mut acks_after_unpin, mut unpins) = (0, 0, 0);
+    // Until the stopping service has been quiet for a while (starting, it reads the backlog from
+    // the stream first, which the watcher does not see).
+    loop {
+        let quiet = Duration::from_secs(if stopping.is_some() { 3 } else { 60 });
+        let Ok(Some(message)) = tokio::time::timeout(quiet, seen.next()).await else { break };
+        let subject = message.subject.as_str();
+        if subject.starts_with("$JS.ACK.") {
+            acks += 1;
+            acks_after_unpin += usize::from(unpins > 0);
+            // Stopped with the backlog being worked through: the shard inboxes hold events.
+            if acks == 2_500 {
+                stopping = service.take().map(|service| tokio::spawn(service.shutdown()));
+            }
+        } else if subject.starts_with("$JS.API.CONSUMER.UNPIN.") {
+            unpins += 1;
+        }
+    }
+    stopping.expect("stopped while acknowledging").await.unwrap().unwrap();
+    assert_eq!(unpins, 1, "the pin released once");
+    assert!(acks > 2_500, "events acknowledged while stopping: {acks}");
+    assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
 }
 
 /// With a server older than 2.11, start-up refuses `jetstream.pinned_client` with a clear error,
