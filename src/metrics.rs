@@ -119,6 +119,8 @@ label_enum! {
         StreamFinished => "stream_finished",
         /// A message id that cannot be used (for example in a `Nats-Msg-Id`).
         InvalidMessageId => "invalid_message_id",
+        /// Another id or a finish reason longer than 256 bytes.
+        FieldTooLong => "field_too_long",
         /// Processing the event failed (a bug); its stream was discarded.
         InternalError => "internal_error",
     }

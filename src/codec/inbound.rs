@@ -62,6 +62,11 @@ pub enum DecodeError {
     /// begins with a space, so it cannot travel safely in headers and logs.
     #[error("message id is invalid: {0}")]
     InvalidMessageId(&'static str),
+    /// Another id (session, inference, turn, provider call) or a finish reason is longer than
+    /// [`MAX_ID_BYTES`]. Each open stream keeps its ids and every output carries them: a huge one
+    /// would be held for the stream's life and make its outputs too large to publish.
+    #[error("{0} is longer than 256 bytes")]
+    FieldTooLong(&'static str),
     /// A text event lacks the field that carries its text.
     #[error("{kind} event has no {field}")]
     MissingField {
@@ -84,6 +89,7 @@ impl DecodeError {
             DecodeError::MissingMessageId => "missing_message_id",
             DecodeError::MissingField { .. } => "missing_field",
             DecodeError::InvalidMessageId(_) => "invalid_message_id",
+            DecodeError::FieldTooLong(_) => "field_too_long",
         }
     }
 }
@@ -374,8 +380,23 @@ fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
     v.map(|s| s.0)
 }
 
-/// The longest message id or stream id accepted.
+/// The longest message id, stream id, other id or finish reason accepted.
 pub const MAX_ID_BYTES: usize = 256;
+
+/// `value` (empty when absent), refused when longer than [`MAX_ID_BYTES`].
+fn bounded<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
+    match value {
+        Some(value) if value.len() > MAX_ID_BYTES => Err(DecodeError::FieldTooLong(field)),
+        value => Ok(value.unwrap_or_default()),
+    }
+}
+
+/// A finishing event's reason: `stop` when absent or empty; refused when longer than
+/// [`MAX_ID_BYTES`].
+fn finish_reason<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
+    let reason = bounded(field, value)?;
+    Ok(if reason.is_empty() { Cow::Borrowed("stop") } else { reason })
+}
 
 fn check_id(id: &str) -> Result<(), DecodeError> {
     if id.len() > MAX_ID_BYTES {
@@ -430,10 +451,10 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     let stream = StreamIdentity {
         message_id,
         stream_id,
-        session_id: non_empty(fields.session_id).or(fields.run_id).unwrap_or_default(),
-        inference_id: fields.inference_id.unwrap_or_default(),
-        turn_id: fields.turn_id.unwrap_or_default(),
-        provider_call_id: provider_call_id.unwrap_or_default(),
+        session_id: bounded("meta.session_id", non_empty(fields.session_id).or(fields.run_id))?,
+        inference_id: bounded("meta.inference_id", fields.inference_id)?,
+        turn_id: bounded("meta.turn_id", fields.turn_id)?,
+        provider_call_id: bounded("correlation.provider_call_id", provider_call_id)?,
     };
     let action = match kind.as_ref() {
         "partial" | "text-delta" => EventAction::Delta(fields.delta.ok_or(DecodeError::MissingField {
@@ -442,12 +463,12 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
         })?),
         "final" => EventAction::Finish {
             text: whole_text(payload, fields.text)?,
-            reason: non_empty(fields.stop_reason).unwrap_or(Cow::Borrowed("stop")),
+            reason: finish_reason("meta.stop_reason", fields.stop_reason)?,
             error: None,
         },
         "text-segment-finished" => EventAction::Finish {
             text: whole_text(payload, fields.text)?,
-            reason: non_empty(fields.finish_reason).unwrap_or(Cow::Borrowed("stop")),
+            reason: finish_reason("finish_reason", fields.finish_reason)?,
             error: None,
         },
         "interrupt" => EventAction::Finish {
@@ -529,8 +550,8 @@ fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a str>) -> Result<Option<Cow<
 
 /// Why a provider call ended, for the segments it leaves open: its `finish_class`, else its
 /// `stop_reason` (both top-level in `provider-call-finished`), else `provider-call-finished`. A
-/// field of another type is passed over rather than refused: the event is forwarded unchanged
-/// anyway. Read apart, once per provider call, so that the reader of every event need not know
+/// field of another type, or longer than [`MAX_ID_BYTES`], is passed over rather than refused:
+/// the event is forwarded unchanged anyway. Read apart, once per provider call, so that the reader of every event need not know
 /// these fields.
 #[cold]
 fn call_end_reason(payload: &[u8]) -> Cow<'_, str> {
@@ -542,7 +563,7 @@ fn call_end_reason(payload: &[u8]) -> Cow<'_, str> {
         stop_reason: Option<&'a RawValue>,
     }
     fn string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
-        non_empty(cow(serde_json::from_str(raw?.get()).ok()))
+        non_empty(cow(serde_json::from_str(raw?.get()).ok())).filter(|s| s.len() <= MAX_ID_BYTES)
     }
     serde_json::from_slice::<CallEnd<'_>>(payload)
         .ok()
@@ -650,6 +671,38 @@ mod tests {
             let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{good}"}},"delta":"x"}}"#);
             assert!(decode(json.as_bytes(), 1 << 20).is_ok(), "{good}");
         }
+    }
+
+    #[test]
+    fn ids_and_reasons_longer_than_the_bound_are_refused_by_name() {
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        let fits = "x".repeat(MAX_ID_BYTES);
+        let cases = [
+            (r#""meta":{"message_id":"m","session_id":"$"},"delta":"d""#, "partial", "meta.session_id"),
+            (r#""meta":{"message_id":"m","run_id":"$"},"delta":"d""#, "partial", "meta.session_id"),
+            (r#""meta":{"message_id":"m","inference_id":"$"},"delta":"d""#, "partial", "meta.inference_id"),
+            (r#""meta":{"message_id":"m","turn_id":"$"},"delta":"d""#, "partial", "meta.turn_id"),
+            (
+                r#""meta":{"message_id":"m"},"correlation":{"segment_id":"s","provider_call_id":"$"},"delta":"d""#,
+                "text-delta",
+                "correlation.provider_call_id",
+            ),
+            (r#""meta":{"message_id":"m","stop_reason":"$"},"text":"t""#, "final", "meta.stop_reason"),
+            (r#""meta":{"message_id":"m"},"finish_reason":"$""#, "text-segment-finished", "finish_reason"),
+        ];
+        for (fields, kind, field) in cases {
+            let event = |value: &str| format!(r#"{{"type":"{kind}",{}}}"#, fields.replace('$', value));
+            let error = decode(event(&long).as_bytes(), 1 << 20).unwrap_err();
+            assert_eq!(error, DecodeError::FieldTooLong(field));
+            assert_eq!(error.code(), "field_too_long");
+            assert_eq!(error.to_string(), format!("{field} is longer than 256 bytes"));
+            assert!(decode(event(&fits).as_bytes(), 1 << 20).is_ok(), "{field}: 256 bytes fit");
+        }
+        // The reason of a call's end is passed over, as one of another type is.
+        let end = format!(
+            r#"{{"type":"provider-call-finished","meta":{{"message_id":"m"}},"finish_class":"{long}","stop_reason":"s"}}"#
+        );
+        assert_eq!(decode(end.as_bytes(), 1 << 20).unwrap().action, EventAction::CallFinished { reason: "s".into() });
     }
 
     #[test]

@@ -69,8 +69,13 @@ async fn oversized_deep_and_long_id_events_are_dead_lettered_while_a_ten_mib_del
         "}".repeat(100_000)
     );
     let long_id = partial(&"m".repeat(10 * 1024), "x");
+    // Every output of a stream carries its session id: a huge one is refused, by name.
+    let long_session = format!(
+        r#"{{"type":"partial","meta":{{"message_id":"long-session","session_id":"{}"}},"delta":"x"}}"#,
+        "s".repeat(10 * 1024)
+    );
     client.publish("chat", partial("healthy", "before ").into()).await.unwrap();
-    for bad in [&twelve_mib, &deep_field, &deep_event, &long_id] {
+    for bad in [&twelve_mib, &deep_field, &deep_event, &long_id, &long_session] {
         client.publish("chat", bad.clone().into()).await.unwrap();
     }
     client.publish("chat", deep_ignored.into()).await.unwrap();
@@ -79,7 +84,7 @@ async fn oversized_deep_and_long_id_events_are_dead_lettered_while_a_ten_mib_del
     client.publish("chat", partial("healthy", "after").into()).await.unwrap();
     client.publish("chat", final_event("healthy").into()).await.unwrap();
 
-    let dead = collect(&mut dlq, Duration::from_secs(10), |ms| ms.len() == 4).await;
+    let dead = collect(&mut dlq, Duration::from_secs(10), |ms| ms.len() == 5).await;
     let out = collect(&mut filtered, Duration::from_secs(10), |ms| {
         final_of(ms, "healthy").is_some() && final_of(ms, "huge").is_some()
     })
@@ -89,7 +94,7 @@ async fn oversized_deep_and_long_id_events_are_dead_lettered_while_a_ten_mib_del
     service.shutdown().await.unwrap();
 
     let reasons: Vec<String> = dead.iter().map(error_header).collect();
-    assert_eq!(reasons, ["too_large", "wrong_field_type", "not_an_object", "invalid_message_id"]);
+    assert_eq!(reasons, ["too_large", "wrong_field_type", "not_an_object", "invalid_message_id", "field_too_long"]);
     assert_eq!(dead[0].payload.len(), twelve_mib.len(), "the dead letter carries the event unchanged");
     assert_eq!(dead[1].payload.as_ref(), deep_field.as_bytes());
     assert_eq!(visible(&out, "healthy"), "before between after");
@@ -97,6 +102,9 @@ async fn oversized_deep_and_long_id_events_are_dead_lettered_while_a_ten_mib_del
     let huge = final_of(&out, "huge").unwrap();
     assert!(huge.text_omitted, "10 MiB is over pipeline.max_text_bytes: the final omits the whole text");
     assert_eq!(metrics.events_dead_lettered["too_large"], 1);
+    assert_eq!(metrics.events_dead_lettered["field_too_long"], 1);
+    let detail = dead[4].headers.as_ref().and_then(|h| h.get("Structured-Sink-Error-Detail")).map(|v| v.to_string());
+    assert_eq!(detail.as_deref(), Some("meta.session_id is longer than 256 bytes"));
 }
 
 #[tokio::test]
