@@ -278,7 +278,9 @@ impl StreamTable {
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
             EventAction::CallFinished { reason } => {
-                self.end_call(event, reason, sink);
+                let call = Some(event.stream.provider_call_id.as_ref());
+                let ids = self.segments_ended_by(&event.stream.message_id, call, sequence);
+                self.end_segments(ids, Ending { reason, error: None }, sink);
                 Disposition::PassThrough
             }
             EventAction::Delta(delta) => {
@@ -314,12 +316,16 @@ impl StreamTable {
                 if event.ends_message() && self.segments.has_message(&event.stream.message_id) =>
             {
                 // An `error` or `interrupt` naming no segment ends every open stream of its
-                // message: segments first, call by call, oldest first. (This assumes no segment of a message
-                // opens after the event that ended it: a redelivery of the event interleaved after
-                // one would end it too.)
+                // message: segments first, call by call, oldest first.
+                let ids = self.segments_ended_by(&event.stream.message_id, None, sequence);
+                if ids.is_empty() {
+                    // Every open segment of its message applied later input: the event ended
+                    // the message before they opened, and this is its redelivery.
+                    return Disposition::Duplicate;
+                }
                 let ending = Ending { reason, error: error.as_deref() };
                 // The event's text is the whole message's, not a segment's.
-                self.end_segments(self.segments.of(&event.stream.message_id, None), ending, sink);
+                self.end_segments(ids, ending, sink);
                 match self.streams.remove(stream_id) {
                     Some(open) => {
                         self.close(stream_id.into(), open, text.as_deref(), ending, sink);
@@ -348,11 +354,16 @@ impl StreamTable {
         }
     }
 
-    /// Ends every open segment of the provider call that `event` (`provider-call-finished`) ended,
-    /// with `reason`.
-    fn end_call(&mut self, event: &InboundEvent<'_>, reason: &str, sink: &mut impl FnMut(Publication)) {
-        let ids = self.segments.of(&event.stream.message_id, Some(&event.stream.provider_call_id));
-        self.end_segments(ids, Ending { reason, error: None }, sink);
+    /// The open segments of `message_id` (those of `call` and those that named none, or every
+    /// one) that an event ending them at input sequence `sequence` ends: the segments it follows
+    /// in the input. A segment that applied later input opened after the event, which is then a
+    /// redelivery (a first delivery comes in stream order) and must not end it.
+    fn segments_ended_by(&self, message_id: &str, call: Option<&str>, sequence: Option<u64>) -> Vec<Box<str>> {
+        let mut ids = self.segments.of(message_id, call);
+        if let Some(sequence) = sequence {
+            ids.retain(|id| self.streams.get(id).is_some_and(|open| open.last_input < sequence));
+        }
+        ids
     }
 
     /// Ends the open segments `ids`, in that order, with `ending`. Each close delists its segment
@@ -777,6 +788,45 @@ mod tests {
         t.apply(&call_finished("p2"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         assert_eq!(finals(&out), vec![cancelled("b")]);
         assert_eq!(t.len(), 1, "only the other message's segment is open");
+    }
+
+    #[test]
+    fn a_redelivered_end_leaves_the_segments_opened_after_it_open() {
+        let mut t = table(10);
+        t.limits.finished_memory = 10;
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let of_call = |segment: &str, call: &str| {
+            let json = format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{segment}","provider_call_id":"{call}"}},"delta":"x"}}"#
+            );
+            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+        };
+        let call_finished = decode(
+            br#"{"type":"provider-call-finished","meta":{"message_id":"m"},"correlation":{"provider_call_id":"p"}}"#,
+            1 << 20,
+        )
+        .unwrap();
+        let mut apply = |t: &mut StreamTable, event: &InboundEvent<'_>, sequence: u64| {
+            t.apply(event, InputPosition::at(sequence), now, &mut |p| out.push(p), &mut |_| {})
+        };
+        // A call ends its segment; the next call reuses its id (geppetto's OpenAI chat engine
+        // numbers every call 0 when its caller sets no index) and opens another.
+        apply(&mut t, &of_call("a", "p"), 1);
+        assert_eq!(apply(&mut t, &call_finished, 2), Disposition::PassThrough);
+        apply(&mut t, &of_call("b", "p"), 3);
+        // The first call's end delivered again, after the second call's segment: it stays open.
+        assert_eq!(apply(&mut t, &call_finished, 2), Disposition::PassThrough);
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("a")], 1));
+        // An error ends the message's segment; a redelivery of it, after a segment that opened
+        // since, is a duplicate and leaves that segment open.
+        assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Applied);
+        apply(&mut t, &of_call("c", "q"), 5);
+        assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Duplicate);
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("b")], 1));
+        // A later error ends it.
+        assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 6), Disposition::Applied);
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("c")], 0));
     }
 
     #[test]
