@@ -829,6 +829,71 @@ mod tests {
         assert_eq!((t.take_closed(), t.len()), (vec![Box::from("c")], 0));
     }
 
+    /// One event of two messages' segments, provider calls and legacy streams (see
+    /// [`redeliveries_change_nothing`]).
+    fn any_event() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let message = prop_oneof![Just("m"), Just("n")];
+        let segment = (message.clone(), 1..4u8, prop_oneof![Just("p"), Just("q"), Just("")]);
+        let text = prop_oneof![Just("x "), Just("<core:x:v1>"), Just("a: 1\\n"), Just("</core:x:v1>"), Just("<core:x")];
+        let correlation = |segment: &str, call: &str| {
+            format!(r#""correlation":{{"segment_id":"{segment}","provider_call_id":"{call}"}}"#)
+        };
+        prop_oneof![
+            4 => (segment.clone(), text.clone()).prop_map(move |((m, s, call), text)| format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"{m}"}},{},"delta":"{text}"}}"#,
+                correlation(&format!("{m}:s{s}"), call)
+            )),
+            1 => segment.prop_map(move |(m, s, call)| format!(
+                r#"{{"type":"text-segment-finished","meta":{{"message_id":"{m}"}},{},"finish_reason":"stop"}}"#,
+                correlation(&format!("{m}:s{s}"), call)
+            )),
+            1 => (message.clone(), text).prop_map(|(m, text)| format!(
+                r#"{{"type":"partial","meta":{{"message_id":"{m}"}},"delta":"{text}"}}"#
+            )),
+            1 => (message.clone(), prop_oneof![Just("error"), Just("interrupt"), Just("final")])
+                .prop_map(|(m, kind)| format!(r#"{{"type":"{kind}","meta":{{"message_id":"{m}"}},"error_string":"e"}}"#)),
+            1 => (message, prop_oneof![Just("p"), Just("q")]).prop_map(|(m, call)| format!(
+                r#"{{"type":"provider-call-finished","meta":{{"message_id":"{m}"}},"correlation":{{"provider_call_id":"{call}"}}}}"#
+            )),
+        ]
+    }
+
+    proptest::proptest! {
+        /// With JetStream input any event may be delivered again, after later ones (a lost ack,
+        /// a takeover's read of the stream): applied again at its own input sequence it must
+        /// emit nothing and change nothing, whatever streams opened or ended since.
+        #[test]
+        fn redeliveries_change_nothing(
+            events in proptest::collection::vec(any_event(), 1..40),
+            again in proptest::collection::vec((0..40usize, 0..40usize), 0..20),
+        ) {
+            let events: Vec<InboundEvent<'static>> =
+                events.iter().map(|json| decode(json.as_bytes(), 1 << 20).unwrap().into_owned()).collect();
+            let now = Instant::now();
+            let run = |redeliver: bool| {
+                let mut t = table(100);
+                t.limits.finished_memory = 100;
+                let mut out = Vec::new();
+                for (i, event) in events.iter().enumerate() {
+                    t.apply(event, InputPosition::at(i as u64 + 1), now, &mut |p| out.push(p), &mut |_| {});
+                    // Events delivered again after this one: any earlier one, at its own sequence.
+                    for &(after, earlier) in again.iter().filter(|&&(after, _)| redeliver && after == i) {
+                        let earlier = earlier % (after + 1);
+                        let before = out.len();
+                        let got = t.apply(&events[earlier], InputPosition::at(earlier as u64 + 1), now, &mut |p| out.push(p), &mut |_| {});
+                        proptest::prop_assert_ne!(got, Disposition::Applied, "event {} again after {}", earlier, after);
+                        proptest::prop_assert_eq!(out.len(), before, "event {} again after {} emitted", earlier, after);
+                    }
+                }
+                t.close_all("shutdown", &mut |p| out.push(p));
+                let outputs: Vec<(String, bytes::Bytes)> = out.into_iter().map(|p| (p.msg_id, p.payload)).collect();
+                Ok((outputs, t.take_closed()))
+            };
+            proptest::prop_assert_eq!(run(true)?, run(false)?);
+        }
+    }
+
     #[test]
     fn a_segment_leaves_its_messages_list_however_it_ends() {
         let now = Instant::now();
