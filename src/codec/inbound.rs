@@ -551,8 +551,8 @@ fn whole_text<'a>(payload: &'a [u8], raw: Option<&'a str>) -> Result<Option<Cow<
 /// Why a provider call ended, for the segments it leaves open: its `finish_class`, else its
 /// `stop_reason` (both top-level in `provider-call-finished`), else `provider-call-finished`. A
 /// field of another type, or longer than [`MAX_ID_BYTES`], is passed over rather than refused:
-/// the event is forwarded unchanged anyway. Read apart, once per provider call, so that the reader of every event need not know
-/// these fields.
+/// the event is forwarded unchanged anyway. Read apart, once per provider call, so that the
+/// reader of every event need not know these fields.
 #[cold]
 fn call_end_reason(payload: &[u8]) -> Cow<'_, str> {
     #[derive(Deserialize)]
