@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 
 use crate::scale::{downstream, group, mapping, one_partition_config, publish_inputs, read_all, replayed};
 use crate::service::test_config;
-use crate::support::NatsServer;
+use crate::support::{NatsServer, NatsServerBuilder};
 
 /// One proxied connection: its forwarding task and whether it drops the server's bytes.
 struct Connection {
@@ -177,7 +177,17 @@ async fn proxied() -> (NatsServer, Proxy, Config) {
 
 /// The same with `partitions` partitions.
 async fn proxied_over(partitions: u32) -> (NatsServer, Proxy, Config) {
-    let server = NatsServer::builder().config(mapping(partitions)).start();
+    proxied_to(NatsServer::builder(), partitions).await
+}
+
+/// [`proxied_over`] with a server that has pinned-client priority groups when the test run has
+/// one ([`NatsServerBuilder::priority_groups`]).
+async fn pinned_proxied_over(partitions: u32) -> (NatsServer, Proxy, Config) {
+    proxied_to(NatsServer::builder().priority_groups(), partitions).await
+}
+
+async fn proxied_to(server: NatsServerBuilder, partitions: u32) -> (NatsServer, Proxy, Config) {
+    let server = server.config(mapping(partitions)).start();
     let proxy = Proxy::start(SocketAddr::from(([127, 0, 0, 1], server.port()))).await;
     let mut config = one_partition_config(&proxy.url);
     config.partitions.count = partitions;
@@ -377,7 +387,7 @@ async fn a_replica_whose_pin_lapsed_without_a_reconnect_gives_up_its_open_stream
 /// stream is in that partition.
 async fn lose_the_pin(partitions: u32, isolate: impl Fn(&Proxy, bool)) {
     assert!((1..=2).contains(&partitions), "one replica per partition, two at most");
-    let (server, proxy, mut config) = proxied_over(partitions).await;
+    let (server, proxy, mut config) = pinned_proxied_over(partitions).await;
     if server.version() < (2, 11, 0) {
         crate::scale::assert_pinned_client_refused(&server).await;
         return;
@@ -511,7 +521,7 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
 /// nats-server 2.11 or later; with an older one, start-up must refuse `pinned_client`.)
 #[tokio::test]
 async fn a_late_event_the_previous_owner_never_processed_is_dead_lettered_at_the_takeover() {
-    let (server, proxy, mut config) = proxied().await;
+    let (server, proxy, mut config) = pinned_proxied_over(1).await;
     if server.version() < (2, 11, 0) {
         crate::scale::assert_pinned_client_refused(&server).await;
         return;

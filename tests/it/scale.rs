@@ -895,7 +895,7 @@ async fn pinned_client_standby_owning_nothing_with_one_shard_takes_over() {
 /// its own setting) could disagree and the pin lapse between pulls. A restart applies them.
 #[tokio::test]
 async fn a_pinned_consumer_takes_changed_settings_at_restart() {
-    let server = NatsServer::builder().config(mapping(1)).start();
+    let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
     if server.version() < (2, 11, 0) {
         assert_pinned_client_refused(&server).await;
         return;
@@ -931,7 +931,7 @@ async fn a_pinned_consumer_takes_changed_settings_at_restart() {
 /// read them from the replica's connection: none of the acknowledgements may come after it.
 #[tokio::test]
 async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
-    let server = NatsServer::builder().config(mapping(1)).start();
+    let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
     if server.version() < (2, 11, 0) {
         assert_pinned_client_refused(&server).await;
         return;
@@ -978,6 +978,21 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
     assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
 }
 
+/// `jetstream.pinned_client` against the usual test server (the pinned-client tests take
+/// `NATS_SERVER_PINNED_BIN` when set): refused at start-up when it is older than 2.11, accepted
+/// otherwise.
+#[tokio::test]
+async fn pinned_client_is_refused_on_a_server_without_priority_groups() {
+    let server = NatsServer::builder().config(mapping(1)).start();
+    if server.version() < (2, 11, 0) {
+        assert_pinned_client_refused(&server).await;
+    } else {
+        let mut config = one_partition_config(&server.url());
+        config.jetstream.pinned_client = true;
+        RunningService::start(config).await.unwrap().shutdown().await.unwrap();
+    }
+}
+
 /// With a server older than 2.11, start-up refuses `jetstream.pinned_client` with a clear error,
 /// before creating anything.
 pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
@@ -994,7 +1009,7 @@ pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
 /// Two pinned replicas over `partitions` partitions with `shards` shard workers each; replica 0 is
 /// killed mid-run (see [`pinned_client_standby_takes_over_after_kill_9`]).
 async fn pinned_takeover(partitions: u32, shards: u32) {
-    let server = NatsServer::builder().config(mapping(partitions)).start();
+    let server = NatsServer::builder().priority_groups().config(mapping(partitions)).start();
     if server.version() < (2, 11, 0) {
         assert_pinned_client_refused(&server).await;
         return;

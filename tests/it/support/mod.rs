@@ -2,8 +2,9 @@
 //! certificate authority for TLS tests.
 //!
 //! [`NatsServer`] starts the real binary (from `NATS_SERVER_BIN`, else `PATH`, else Debian's
-//! `/usr/sbin/nats-server`) on a random loopback port with JetStream and a temporary store, and
-//! kills it on drop; [`NatsCluster`] does the same for a routed cluster of several nodes.
+//! `/usr/sbin/nats-server`; tests of pinned-client priority groups take `NATS_SERVER_PINNED_BIN`
+//! when set) on a random loopback port with JetStream and a temporary store, and kills it on
+//! drop; [`NatsCluster`] does the same for a routed cluster of several nodes.
 //! [`TestPki`] makes a CA, a server and a client certificate with the `openssl` command.
 //! Nothing here knows about the service under test: tests connect to the URLs and do the rest.
 //!

@@ -78,16 +78,31 @@ fn nats_server_binary() -> PathBuf {
     }
 }
 
+/// The binary for tests of pinned-client priority groups (server 2.11 or later):
+/// `NATS_SERVER_PINNED_BIN` when set and not empty (`.ci/run` installs one when the usual server
+/// is older), else the usual one, whose version such a test checks.
+fn priority_group_binary() -> PathBuf {
+    match env::var_os("NATS_SERVER_PINNED_BIN").filter(|value| !value.is_empty()) {
+        Some(bin) => {
+            let bin = PathBuf::from(bin);
+            assert!(bin.is_file(), "NATS_SERVER_PINNED_BIN={} is not a file; {INSTALL_HINT}", bin.display());
+            bin
+        }
+        None => nats_server_binary(),
+    }
+}
+
 /// Options for starting a [`NatsServer`] or a [`NatsCluster`].
 #[derive(Debug, Clone)]
 pub struct NatsServerBuilder {
     config: String,
     jetstream: bool,
+    priority_groups: bool,
 }
 
 impl Default for NatsServerBuilder {
     fn default() -> Self {
-        Self { config: String::new(), jetstream: true }
+        Self { config: String::new(), jetstream: true, priority_groups: false }
     }
 }
 
@@ -105,6 +120,13 @@ impl NatsServerBuilder {
     /// Turns JetStream on (the default) or off.
     pub fn jetstream(mut self, enabled: bool) -> Self {
         self.jetstream = enabled;
+        self
+    }
+
+    /// Asks for a server with pinned-client priority groups (2.11 or later): the binary of
+    /// `NATS_SERVER_PINNED_BIN` when set, else the usual one (see [`NatsServer::version`]).
+    pub fn priority_groups(mut self) -> Self {
+        self.priority_groups = true;
         self
     }
 
@@ -253,7 +275,7 @@ impl NatsServer {
             .tempdir()
             .expect("create a temporary directory for nats-server");
         let server = NatsServer {
-            binary: nats_server_binary(),
+            binary: if builder.priority_groups { priority_group_binary() } else { nats_server_binary() },
             dir,
             jetstream: builder.jetstream,
             cluster,
