@@ -383,19 +383,21 @@ fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
 /// The longest message id, stream id, other id or finish reason accepted.
 pub const MAX_ID_BYTES: usize = 256;
 
-/// `value` (empty when absent), refused when longer than [`MAX_ID_BYTES`].
-fn bounded<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
-    match value {
-        Some(value) if value.len() > MAX_ID_BYTES => Err(DecodeError::FieldTooLong(field)),
-        value => Ok(value.unwrap_or_default()),
-    }
+/// The error naming the first of `ids` longer than [`MAX_ID_BYTES`].
+#[cold]
+fn too_long(ids: &[(&'static str, &Option<Cow<'_, str>>)]) -> DecodeError {
+    let (field, _) =
+        ids.iter().find(|(_, id)| id.as_deref().is_some_and(|id| id.len() > MAX_ID_BYTES)).expect("one is");
+    DecodeError::FieldTooLong(field)
 }
 
 /// A finishing event's reason: `stop` when absent or empty; refused when longer than
 /// [`MAX_ID_BYTES`].
-fn finish_reason<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
-    let reason = bounded(field, value)?;
-    Ok(if reason.is_empty() { Cow::Borrowed("stop") } else { reason })
+fn finish_reason<'a>(field: &'static str, reason: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
+    match non_empty(reason) {
+        Some(reason) if reason.len() > MAX_ID_BYTES => Err(DecodeError::FieldTooLong(field)),
+        reason => Ok(reason.unwrap_or(Cow::Borrowed("stop"))),
+    }
 }
 
 fn check_id(id: &str) -> Result<(), DecodeError> {
@@ -448,13 +450,25 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
         check_id(&stream_id)?;
     }
+    let session_id = non_empty(fields.session_id).or(fields.run_id);
+    let ids = [
+        ("meta.session_id", &session_id),
+        ("meta.inference_id", &fields.inference_id),
+        ("meta.turn_id", &fields.turn_id),
+        ("correlation.provider_call_id", &provider_call_id),
+    ];
+    // One comparison on the common path (this runs for every event); the field is looked for
+    // only when one is too long.
+    if ids.iter().map(|(_, id)| id.as_deref().map_or(0, str::len)).max().unwrap_or(0) > MAX_ID_BYTES {
+        return Err(too_long(&ids));
+    }
     let stream = StreamIdentity {
         message_id,
         stream_id,
-        session_id: bounded("meta.session_id", non_empty(fields.session_id).or(fields.run_id))?,
-        inference_id: bounded("meta.inference_id", fields.inference_id)?,
-        turn_id: bounded("meta.turn_id", fields.turn_id)?,
-        provider_call_id: bounded("correlation.provider_call_id", provider_call_id)?,
+        session_id: session_id.unwrap_or_default(),
+        inference_id: fields.inference_id.unwrap_or_default(),
+        turn_id: fields.turn_id.unwrap_or_default(),
+        provider_call_id: provider_call_id.unwrap_or_default(),
     };
     let action = match kind.as_ref() {
         "partial" | "text-delta" => EventAction::Delta(fields.delta.ok_or(DecodeError::MissingField {
