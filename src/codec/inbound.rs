@@ -383,11 +383,16 @@ fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
 /// The longest message id, stream id, other id or finish reason accepted.
 pub const MAX_ID_BYTES: usize = 256;
 
+/// The length of `id`, 0 when absent.
+fn len(id: &Option<Cow<'_, str>>) -> usize {
+    id.as_deref().map_or(0, str::len)
+}
+
 /// The error naming the first of `ids` longer than [`MAX_ID_BYTES`].
 #[cold]
-fn too_long(ids: &[(&'static str, &Option<Cow<'_, str>>)]) -> DecodeError {
-    let (field, _) =
-        ids.iter().find(|(_, id)| id.as_deref().is_some_and(|id| id.len() > MAX_ID_BYTES)).expect("one is");
+#[inline(never)]
+fn too_long(ids: [(&'static str, &Option<Cow<'_, str>>); 4]) -> DecodeError {
+    let (field, _) = ids.into_iter().find(|(_, id)| len(id) > MAX_ID_BYTES).expect("one is");
     DecodeError::FieldTooLong(field)
 }
 
@@ -451,16 +456,16 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
         check_id(&stream_id)?;
     }
     let session_id = non_empty(fields.session_id).or(fields.run_id);
-    let ids = [
-        ("meta.session_id", &session_id),
-        ("meta.inference_id", &fields.inference_id),
-        ("meta.turn_id", &fields.turn_id),
-        ("correlation.provider_call_id", &provider_call_id),
-    ];
-    // One comparison on the common path (this runs for every event); the field is looked for
-    // only when one is too long.
-    if ids.iter().map(|(_, id)| id.as_deref().map_or(0, str::len)).max().unwrap_or(0) > MAX_ID_BYTES {
-        return Err(too_long(&ids));
+    // One comparison on the common path (this runs for every event); the field is named only
+    // when one is too long.
+    let (inference_id, turn_id) = (&fields.inference_id, &fields.turn_id);
+    if len(&session_id).max(len(inference_id)).max(len(turn_id)).max(len(&provider_call_id)) > MAX_ID_BYTES {
+        return Err(too_long([
+            ("meta.session_id", &session_id),
+            ("meta.inference_id", inference_id),
+            ("meta.turn_id", turn_id),
+            ("correlation.provider_call_id", &provider_call_id),
+        ]));
     }
     let stream = StreamIdentity {
         message_id,
