@@ -383,26 +383,19 @@ fn cow(v: Option<Str<'_>>) -> Option<Cow<'_, str>> {
 /// The longest message id, stream id, other id or finish reason accepted.
 pub const MAX_ID_BYTES: usize = 256;
 
-/// The length of `id`, 0 when absent.
-fn len(id: &Option<Cow<'_, str>>) -> usize {
-    id.as_deref().map_or(0, str::len)
-}
-
-/// The error naming the first of `ids` longer than [`MAX_ID_BYTES`].
-#[cold]
-#[inline(never)]
-fn too_long(ids: [(&'static str, &Option<Cow<'_, str>>); 4]) -> DecodeError {
-    let (field, _) = ids.into_iter().find(|(_, id)| len(id) > MAX_ID_BYTES).expect("one is");
-    DecodeError::FieldTooLong(field)
+/// `value` (empty when absent), refused when longer than [`MAX_ID_BYTES`].
+fn bounded<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
+    match value {
+        Some(value) if value.len() > MAX_ID_BYTES => Err(DecodeError::FieldTooLong(field)),
+        value => Ok(value.unwrap_or_default()),
+    }
 }
 
 /// A finishing event's reason: `stop` when absent or empty; refused when longer than
 /// [`MAX_ID_BYTES`].
-fn finish_reason<'a>(field: &'static str, reason: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
-    match non_empty(reason) {
-        Some(reason) if reason.len() > MAX_ID_BYTES => Err(DecodeError::FieldTooLong(field)),
-        reason => Ok(reason.unwrap_or(Cow::Borrowed("stop"))),
-    }
+fn finish_reason<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result<Cow<'a, str>, DecodeError> {
+    let reason = bounded(field, value)?;
+    Ok(if reason.is_empty() { Cow::Borrowed("stop") } else { reason })
 }
 
 fn check_id(id: &str) -> Result<(), DecodeError> {
@@ -455,25 +448,13 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
         check_id(&stream_id)?;
     }
-    let session_id = non_empty(fields.session_id).or(fields.run_id);
-    // One comparison on the common path (this runs for every event); the field is named only
-    // when one is too long.
-    let (inference_id, turn_id) = (&fields.inference_id, &fields.turn_id);
-    if len(&session_id).max(len(inference_id)).max(len(turn_id)).max(len(&provider_call_id)) > MAX_ID_BYTES {
-        return Err(too_long([
-            ("meta.session_id", &session_id),
-            ("meta.inference_id", inference_id),
-            ("meta.turn_id", turn_id),
-            ("correlation.provider_call_id", &provider_call_id),
-        ]));
-    }
     let stream = StreamIdentity {
         message_id,
         stream_id,
-        session_id: session_id.unwrap_or_default(),
-        inference_id: fields.inference_id.unwrap_or_default(),
-        turn_id: fields.turn_id.unwrap_or_default(),
-        provider_call_id: provider_call_id.unwrap_or_default(),
+        session_id: bounded("meta.session_id", non_empty(fields.session_id).or(fields.run_id))?,
+        inference_id: bounded("meta.inference_id", fields.inference_id)?,
+        turn_id: bounded("meta.turn_id", fields.turn_id)?,
+        provider_call_id: bounded("correlation.provider_call_id", provider_call_id)?,
     };
     let action = match kind.as_ref() {
         "partial" | "text-delta" => EventAction::Delta(fields.delta.ok_or(DecodeError::MissingField {
