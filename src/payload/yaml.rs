@@ -11,8 +11,8 @@
 //! # Aliases
 //! An alias (`*a`) copies its anchor's whole value, so a short body can name a huge document (a
 //! list of ten thousand items, aliased ten thousand times, is 10⁸ values from 50 KB). The parse
-//! counts the values it builds and fails once they exceed [`value_budget`]: one per byte of the
-//! body, which a body without aliases never reaches, plus [`ALIAS_ALLOWANCE`]. Aliases may repeat
+//! counts the values it builds and fails once they exceed `value_budget`: one per byte of the
+//! body, which a body without aliases never reaches, plus `ALIAS_ALLOWANCE`. Aliases may repeat
 //! values, within that allowance, but never make the parse's work and memory more than a constant
 //! beyond what a body of that size could ask for without them.
 //!

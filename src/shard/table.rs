@@ -7,7 +7,7 @@
 //! `expired`), and the last `finished_memory` finished stream ids are remembered so that a late
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
 //! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
-//! its message, and `provider-call-finished` the open segments of its call: [`Segments`] finds
+//! its message, and `provider-call-finished` the open segments of its call: `Segments` finds
 //! them. It knows nothing of tokio, NATS or wire bytes.
 
 use std::time::{Duration, Instant};
