@@ -862,20 +862,27 @@ mod tests {
     proptest::proptest! {
         /// With JetStream input any event may be delivered again, after later ones (a lost ack,
         /// a takeover's read of the stream): applied again at its own input sequence it must
-        /// emit nothing and change nothing, whatever streams opened or ended since.
+        /// emit nothing and change nothing, whatever streams opened or ended since (by their
+        /// events, by expiry, or evicted: at most four are open).
         #[test]
         fn redeliveries_change_nothing(
             events in proptest::collection::vec(any_event(), 1..40),
             again in proptest::collection::vec((0..40usize, 0..40usize), 0..20),
+            idle in proptest::collection::vec(0..40usize, 0..4),
         ) {
             let events: Vec<InboundEvent<'static>> =
                 events.iter().map(|json| decode(json.as_bytes(), 1 << 20).unwrap().into_owned()).collect();
-            let now = Instant::now();
             let run = |redeliver: bool| {
-                let mut t = table(100);
+                let mut t = table(4);
                 t.limits.finished_memory = 100;
+                let mut now = Instant::now();
                 let mut out = Vec::new();
                 for (i, event) in events.iter().enumerate() {
+                    // Every open stream goes idle for longer than the timeout, and expires.
+                    if idle.contains(&i) {
+                        now += t.limits.idle_timeout + Duration::from_secs(1);
+                        t.expire(now, &mut |p| out.push(p));
+                    }
                     t.apply(event, InputPosition::at(i as u64 + 1), now, &mut |p| out.push(p), &mut |_| {});
                     // Events delivered again after this one: any earlier one, at its own sequence.
                     for &(after, earlier) in again.iter().filter(|&&(after, _)| redeliver && after == i) {
