@@ -953,13 +953,17 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
     let mut seen = watcher.subscribe("$JS.>").await.unwrap();
     watcher.flush().await.unwrap();
     let mut service = Some(RunningService::start(config).await.unwrap());
-    let mut stopping = None;
+    let mut stopping: Option<tokio::task::JoinHandle<Result<(), _>>> = None;
     let (mut acks, mut acks_after_unpin, mut unpins) = (0, 0, 0);
-    // Until the stopping service has been quiet for a while (starting, it reads the backlog from
-    // the stream first, which the watcher does not see).
+    // Until the service has stopped and been quiet for a while (starting, it reads the backlog
+    // from the stream first, which the watcher does not see).
     loop {
         let quiet = Duration::from_secs(if stopping.is_some() { 3 } else { 60 });
-        let Ok(Some(message)) = tokio::time::timeout(quiet, seen.next()).await else { break };
+        let message = match tokio::time::timeout(quiet, seen.next()).await {
+            Ok(Some(message)) => message,
+            _ if stopping.as_ref().is_some_and(|stopping| !stopping.is_finished()) => continue,
+            _ => break,
+        };
         let subject = message.subject.as_str();
         if subject.starts_with("$JS.ACK.") {
             acks += 1;
