@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use hashlink::linked_hash_map::RawEntryMut;
 use hashlink::{LinkedHashMap, LinkedHashSet};
 
-use crate::codec::inbound::{EventAction, InboundEvent, MAX_ID_BYTES};
+use crate::codec::inbound::{EventAction, InboundEvent};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
 use crate::pipeline::{Ending, Output, Pipeline, PipelineStats, StreamState};
 
@@ -111,8 +111,8 @@ struct OpenStream {
 /// The message and provider call a segment belongs to: where [`Segments`] lists it.
 struct SegmentOf {
     message_id: Box<str>,
-    /// Its `correlation.provider_call_id`; empty when it had none (or one longer than
-    /// [`MAX_ID_BYTES`], not kept): then the end of any call of its message ends it.
+    /// Its `correlation.provider_call_id` (bounded by `decode`); empty when it had none: then the
+    /// end of any call of its message ends it.
     provider_call: Box<str>,
 }
 
@@ -532,8 +532,7 @@ impl StreamTable {
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
         let segment_of = (message_id != stream_id).then(|| {
-            let call = event.stream.provider_call_id.as_ref();
-            let provider_call = if call.len() <= MAX_ID_BYTES { call.into() } else { Box::default() };
+            let provider_call = event.stream.provider_call_id.as_ref().into();
             let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
             self.segments.add(&of, stream_id);
             of
@@ -692,6 +691,15 @@ mod tests {
         decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
     }
 
+    /// A canonical delta of `segment` of message `m`, naming provider call `call` unless empty.
+    fn segment_of_call(segment: &str, call: &str, delta: &str) -> InboundEvent<'static> {
+        let call = if call.is_empty() { String::new() } else { format!(r#","provider_call_id":"{call}""#) };
+        let json = format!(
+            r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{segment}"{call}}},"delta":"{delta}"}}"#
+        );
+        decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+    }
+
     /// An event in the legacy shape, as both vocabularies send `error` and `interrupt`.
     fn uncorrelated(kind: &str, message: &str) -> InboundEvent<'static> {
         let json =
@@ -754,13 +762,6 @@ mod tests {
         let mut t = table(10);
         let now = Instant::now();
         let mut out = Vec::new();
-        let segment_of_call = |segment: &str, call: &str| {
-            let call = if call.is_empty() { String::new() } else { format!(r#","provider_call_id":"{call}""#) };
-            let json = format!(
-                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{segment}"{call}}},"delta":"x <core:x:v1>a: 1"}}"#
-            );
-            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
-        };
         let call_finished = |call: &str| {
             let json = format!(
                 r#"{{"type":"provider-call-finished","meta":{{"message_id":"m"}},"correlation":{{"provider_call_id":"{call}"}},"finish_class":"cancelled"}}"#
@@ -768,7 +769,13 @@ mod tests {
             decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
         };
         for (segment, call) in [("a", "p1"), ("b", "p2"), ("c", "p1"), ("d", "")] {
-            t.apply(&segment_of_call(segment, call), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+            t.apply(
+                &segment_of_call(segment, call, "x <core:x:v1>a: 1"),
+                UNSEQUENCED,
+                now,
+                &mut |p| out.push(p),
+                &mut |_| {},
+            );
         }
         t.apply(&segment("other", "o"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         out.clear();
@@ -796,12 +803,6 @@ mod tests {
         t.limits.finished_memory = 10;
         let now = Instant::now();
         let mut out = Vec::new();
-        let of_call = |segment: &str, call: &str| {
-            let json = format!(
-                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{segment}","provider_call_id":"{call}"}},"delta":"x"}}"#
-            );
-            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
-        };
         let call_finished = decode(
             br#"{"type":"provider-call-finished","meta":{"message_id":"m"},"correlation":{"provider_call_id":"p"}}"#,
             1 << 20,
@@ -812,16 +813,16 @@ mod tests {
         };
         // A call ends its segment; the next call reuses its id (geppetto's OpenAI chat engine
         // numbers every call 0 when its caller sets no index) and opens another.
-        apply(&mut t, &of_call("a", "p"), 1);
+        apply(&mut t, &segment_of_call("a", "p", "x"), 1);
         assert_eq!(apply(&mut t, &call_finished, 2), Disposition::PassThrough);
-        apply(&mut t, &of_call("b", "p"), 3);
+        apply(&mut t, &segment_of_call("b", "p", "x"), 3);
         // The first call's end delivered again, after the second call's segment: it stays open.
         assert_eq!(apply(&mut t, &call_finished, 2), Disposition::PassThrough);
         assert_eq!((t.take_closed(), t.len()), (vec![Box::from("a")], 1));
         // An error ends the message's segment; a redelivery of it, after a segment that opened
         // since, is a duplicate and leaves that segment open.
         assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Applied);
-        apply(&mut t, &of_call("c", "q"), 5);
+        apply(&mut t, &segment_of_call("c", "q", "x"), 5);
         assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Duplicate);
         assert_eq!((t.take_closed(), t.len()), (vec![Box::from("b")], 1));
         // A later error ends it.
