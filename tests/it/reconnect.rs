@@ -388,8 +388,7 @@ async fn a_replica_whose_pin_lapsed_without_a_reconnect_gives_up_its_open_stream
 async fn lose_the_pin(partitions: u32, isolate: impl Fn(&Proxy, bool)) {
     assert!((1..=2).contains(&partitions), "one replica per partition, two at most");
     let (server, proxy, mut config) = pinned_proxied_over(partitions).await;
-    if server.version() < (2, 11, 0) {
-        crate::scale::assert_pinned_client_refused(&server).await;
+    if crate::scale::lacks_priority_groups(&server).await {
         return;
     }
     let partition = partitions - 1;
@@ -522,8 +521,7 @@ async fn a_late_event_lost_with_the_connection_is_dead_lettered() {
 #[tokio::test]
 async fn a_late_event_the_previous_owner_never_processed_is_dead_lettered_at_the_takeover() {
     let (server, proxy, mut config) = pinned_proxied_over(1).await;
-    if server.version() < (2, 11, 0) {
-        crate::scale::assert_pinned_client_refused(&server).await;
+    if crate::scale::lacks_priority_groups(&server).await {
         return;
     }
     config.jetstream.pinned_client = true;

@@ -896,8 +896,7 @@ async fn pinned_client_standby_owning_nothing_with_one_shard_takes_over() {
 #[tokio::test]
 async fn a_pinned_consumer_takes_changed_settings_at_restart() {
     let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
-    if server.version() < (2, 11, 0) {
-        assert_pinned_client_refused(&server).await;
+    if lacks_priority_groups(&server).await {
         return;
     }
     let js = jetstream::new(async_nats::connect(server.url()).await.unwrap());
@@ -932,8 +931,7 @@ async fn a_pinned_consumer_takes_changed_settings_at_restart() {
 #[tokio::test]
 async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
     let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
-    if server.version() < (2, 11, 0) {
-        assert_pinned_client_refused(&server).await;
+    if lacks_priority_groups(&server).await {
         return;
     }
     let mut config = one_partition_config(&server.url());
@@ -988,18 +986,27 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
 #[tokio::test]
 async fn pinned_client_is_refused_on_a_server_without_priority_groups() {
     let server = NatsServer::builder().config(mapping(1)).start();
-    if server.version() < (2, 11, 0) {
-        assert_pinned_client_refused(&server).await;
-    } else {
+    if !lacks_priority_groups(&server).await {
         let mut config = one_partition_config(&server.url());
         config.jetstream.pinned_client = true;
         RunningService::start(config).await.unwrap().shutdown().await.unwrap();
     }
 }
 
+/// Whether `server` is older than 2.11, without pinned-client priority groups; if so, having
+/// checked that start-up refuses `jetstream.pinned_client` there (a pinned-client test ends
+/// with that check).
+pub(crate) async fn lacks_priority_groups(server: &NatsServer) -> bool {
+    let older = server.version() < (2, 11, 0);
+    if older {
+        assert_pinned_client_refused(server).await;
+    }
+    older
+}
+
 /// With a server older than 2.11, start-up refuses `jetstream.pinned_client` with a clear error,
 /// before creating anything.
-pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
+async fn assert_pinned_client_refused(server: &NatsServer) {
     let mut config = jetstream_config(&server.url());
     config.jetstream.pinned_client = true;
     let error = RunningService::start(config).await.err().expect("pinned_client refused before 2.11");
@@ -1014,8 +1021,7 @@ pub(crate) async fn assert_pinned_client_refused(server: &NatsServer) {
 /// killed mid-run (see [`pinned_client_standby_takes_over_after_kill_9`]).
 async fn pinned_takeover(partitions: u32, shards: u32) {
     let server = NatsServer::builder().priority_groups().config(mapping(partitions)).start();
-    if server.version() < (2, 11, 0) {
-        assert_pinned_client_refused(&server).await;
+    if lacks_priority_groups(&server).await {
         return;
     }
     let (client, js, mut out) = downstream(&server.url()).await;
