@@ -20,7 +20,7 @@
 //!   by a known input event. This is how latency is measured without the service carrying a
 //!   timestamp: the producer stores each event's publish time (ns since a process-wide epoch) in a
 //!   table indexed by event; a downstream subscriber on `chat.>` reads `Nats-Msg-Id:
-//!   <stream_id>:<seq>` of every output, finds the event that caused it, and records receive time
+//!   <stream key>:<seq>` of every output, finds the event that caused it, and records receive time
 //!   minus publish time. Every expected output is checked off exactly once (missing, duplicate
 //!   and unexpected outputs are reported, and any wait of over a second between two outputs; a
 //!   JetStream phase that stalls also prints each consumer as the server sees it). The relay
@@ -215,14 +215,12 @@ fn parse_args() -> Result<Args> {
 mod workload;
 use workload::{legacy_meta, message_id, stream_events, Rng};
 
-/// The stream index encoded in a stream id made by [`stream_events`]: the last group of a
-/// legacy message id, or the number after `run-` of a canonical segment id. Parsed rather than
-/// looked up, so that the subscriber stays cheap (the caller checks the id matches).
-fn stream_of_id(id: &str) -> Option<usize> {
-    if let Some(rest) = id.strip_prefix("openai:run-") {
-        return rest.split_once(':')?.0.parse().ok();
-    }
-    usize::from_str_radix(id.get(id.len().checked_sub(12)?..)?, 16).ok()
+/// The stream index encoded in a stream key made by [`stream_events`]: the last group of the
+/// message id it begins with. Parsed rather than looked up, so that the subscriber stays cheap
+/// (the caller checks the key matches).
+fn stream_of_id(key: &str) -> Option<usize> {
+    let message = key.split_once('/').map_or(key, |(message, _)| message);
+    usize::from_str_radix(message.get(message.len().checked_sub(12)?..)?, 16).ok()
 }
 
 /// Everything a phase needs to publish the workload and account for every output.
@@ -231,7 +229,7 @@ struct Workload {
     payloads: Vec<Bytes>,
     /// Publish order: global event indices, round-robin over the streams in a shuffled order.
     order: Vec<u32>,
-    /// Stream ids (as in `Nats-Msg-Id`) by stream index.
+    /// Stream keys (as in `Nats-Msg-Id`) by stream index.
     stream_ids: Vec<String>,
     /// Per stream, the global event index that causes output `seq` (at `seq - 1`).
     seq_event: Vec<Vec<u32>>,

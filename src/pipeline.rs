@@ -181,7 +181,7 @@ pub struct PipelineStats {
 pub struct Item {
     /// The tag that opened it.
     pub tag: TagId,
-    /// Counts registered tags in the stream from 1; the item id is `<stream_id>:<number>`.
+    /// Counts registered tags in the stream from 1; the item id is `<stream key>:<number>`.
     pub number: u32,
 }
 

@@ -520,13 +520,13 @@ type FastMap<K, V> = HashMap<K, V, hashlink::DefaultHashBuilder>;
 struct HeldAcks(FastMap<Box<str>, Vec<(u64, Subject)>>);
 
 impl HeldAcks {
-    /// Takes the ack of `stream_id`'s message at `sequence`: held when no lower message of the
+    /// Takes the ack of stream `key`'s message at `sequence`: held when no lower message of the
     /// stream is (a redelivery of a held message replaces its reply subject: the ack goes to the
     /// latest delivery); otherwise handed back, to be sent now.
-    fn hold(&mut self, stream_id: &str, sequence: u64, reply: Subject) -> Option<Subject> {
+    fn hold(&mut self, key: &str, sequence: u64, reply: Subject) -> Option<Subject> {
         // Looked up before inserting: an entry would need an owned key for every event.
-        let Some(held) = self.0.get_mut(stream_id) else {
-            self.0.insert(stream_id.into(), vec![(sequence, reply)]);
+        let Some(held) = self.0.get_mut(key) else {
+            self.0.insert(key.into(), vec![(sequence, reply)]);
             return None;
         };
         if let Some(entry) = held.iter_mut().find(|(s, _)| *s == sequence) {
@@ -541,14 +541,14 @@ impl HeldAcks {
         Some(reply)
     }
 
-    /// Drops `stream_id`'s held acks unsent (its input stays unacknowledged).
-    fn forget(&mut self, stream_id: &str) {
-        self.0.remove(stream_id);
+    /// Drops stream `key`'s held acks unsent (its input stays unacknowledged).
+    fn forget(&mut self, key: &str) {
+        self.0.remove(key);
     }
 
-    /// The reply subjects of `stream_id`'s held acks; none are held for it afterwards.
-    fn take(&mut self, stream_id: &str) -> impl Iterator<Item = Subject> {
-        self.0.remove(stream_id).unwrap_or_default().into_iter().map(|(_, reply)| reply)
+    /// The reply subjects of stream `key`'s held acks; none are held for it afterwards.
+    fn take(&mut self, key: &str) -> impl Iterator<Item = Subject> {
+        self.0.remove(key).unwrap_or_default().into_iter().map(|(_, reply)| reply)
     }
 }
 
@@ -866,10 +866,10 @@ impl ShardSink for NatsSink {
         // output was about 8% of the input task's time in JetStream mode.
         let confirm = self.captured(&publication.subject).await;
         // Confirmations are kept per stream (taken before the id moves into the header).
-        let stream_id: Option<Box<str>> = confirm.then(|| publication.stream_id().into());
+        let key: Option<Box<str>> = confirm.then(|| publication.stream_key().into());
         let (subject, mut headers, kind) = self.templates.prepared(&publication);
-        // The id is the stream id (checked for control characters when its event was decoded)
-        // and a number, so it never holds a line break; were it to, the output is reported and
+        // The id is the stream key (its message and stream ids, checked for control characters
+        // when its event was decoded) and a number, so it never holds a line break; were it to, the output is reported and
         // dropped rather than published with a forged header or a panic.
         let Some(msg_id) = bus::header_value(publication.msg_id) else {
             self.metrics.count_publish_error(kind);
@@ -880,15 +880,15 @@ impl ShardSink for NatsSink {
         for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
             headers.insert(name.clone(), value.clone());
         }
-        match self.confirm.as_ref().zip(stream_id) {
+        match self.confirm.as_ref().zip(key) {
             None => self.send(kind, subject, headers, publication.payload).await,
-            Some((js, stream_id)) => {
+            Some((js, key)) => {
                 let payload = publication.payload;
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
                 // Not retried, it can never be sent: its stream's input is acknowledged as usual.
                 if self.to_confirm(kind, &subject, &sent) {
                     let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload } };
-                    self.unconfirmed.entry(stream_id).or_default().push(unconfirmed);
+                    self.unconfirmed.entry(key).or_default().push(unconfirmed);
                     self.unconfirmed_total += 1;
                 }
                 if self.unconfirmed_total >= MAX_UNCONFIRMED {
@@ -947,7 +947,7 @@ impl ShardSink for NatsSink {
         InputPosition { partition: envelope.partition, sequence: envelope.sequence }
     }
 
-    async fn applied(&mut self, stream_id: &str, envelope: Envelope, standing: Standing) {
+    async fn applied(&mut self, key: &str, envelope: Envelope, standing: Standing) {
         // Once per event, whatever number of outputs it had (all of them are handed over now).
         self.metrics.observe_event_latency(envelope.received.elapsed());
         let (Some(reply), Some(sequence)) = (envelope.ack, envelope.sequence) else { return };
@@ -963,40 +963,40 @@ impl ShardSink for NatsSink {
             self.send_ack(reply).await;
             return;
         }
-        if let Some(reply) = self.held.hold(stream_id, sequence, reply) {
+        if let Some(reply) = self.held.hold(key, sequence, reply) {
             self.send_ack(reply).await;
         }
     }
 
-    async fn stream_closed(&mut self, stream_id: &str) {
+    async fn stream_closed(&mut self, key: &str) {
         // Core publishes: the stream's outputs went out before these acks on the same connection.
         // JetStream: their storage is confirmed first, however long that takes; only when the
         // service stops first does the input stay unacknowledged, for the next owner to process
         // it again.
-        let pending = self.unconfirmed.remove(stream_id).unwrap_or_default();
+        let pending = self.unconfirmed.remove(key).unwrap_or_default();
         self.unconfirmed_total -= pending.len();
         let stored = self.await_confirmations(pending).await;
-        if !stored || self.unconfirmed_failures.remove(stream_id) {
+        if !stored || self.unconfirmed_failures.remove(key) {
             tracing::warn!(
-                stream_id,
+                stream.key = key,
                 "outputs not confirmed before shutdown; leaving the stream's input unacknowledged"
             );
-            self.held.forget(stream_id);
+            self.held.forget(key);
             return;
         }
-        for reply in self.held.take(stream_id) {
+        for reply in self.held.take(key) {
             self.send_ack(reply).await;
         }
     }
 
-    fn stream_abandoned(&mut self, stream_id: &str) {
+    fn stream_abandoned(&mut self, key: &str) {
         // Its input stays unacknowledged for the replica that consumes the partition now, which
         // publishes the stream's outputs again under the same ids: whether those published here
         // were stored no longer matters.
-        self.held.forget(stream_id);
-        let pending = self.unconfirmed.remove(stream_id).unwrap_or_default();
+        self.held.forget(key);
+        let pending = self.unconfirmed.remove(key).unwrap_or_default();
         self.unconfirmed_total -= pending.len();
-        self.unconfirmed_failures.remove(stream_id);
+        self.unconfirmed_failures.remove(key);
     }
 
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Envelope) {

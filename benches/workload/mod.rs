@@ -133,7 +133,7 @@ pub fn legacy_meta(mid: &str, index: usize) -> String {
 }
 
 /// One stream's events as JSON payloads; `cumulative` adds `completion`/`text` to every delta.
-/// Returns the stream id the service will use and the events.
+/// Returns the stream key the service will use (as in `Nats-Msg-Id`) and the events.
 pub fn stream_events(run: u32, index: usize, events: usize, cumulative: bool) -> (String, Vec<Vec<u8>>) {
     let mut rng = Rng(0x5eed ^ (u64::from(run) << 32) ^ index as u64);
     let text = response(&mut rng, events.saturating_sub(1).max(1) * 4);
@@ -141,7 +141,7 @@ pub fn stream_events(run: u32, index: usize, events: usize, cumulative: bool) ->
     let mid = message_id(run, index);
     let canonical = index % 4 == 3;
     let segment = format!("openai:run-{index}:provider-call:0:msg_{index:x}:0:text");
-    let stream_id = if canonical { segment.clone() } else { mid.clone() };
+    let key = if canonical { format!("{mid}/{segment}") } else { mid.clone() };
     let meta = legacy_meta(&mid, index);
     let correlation = format!(
         r#"{{"session_id":"sess-{index}","run_id":"run-{index}","turn_id":"turn-1","provider_call_id":"openai:run-{index}:provider-call:0","segment_id":"{segment}"}}"#
@@ -184,5 +184,5 @@ pub fn stream_events(run: u32, index: usize, events: usize, cumulative: bool) ->
         )
     };
     out.push(last.into_bytes());
-    (stream_id, out)
+    (key, out)
 }

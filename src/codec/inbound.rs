@@ -6,7 +6,9 @@
 //! type is not text: it is passed through untouched (`provider-call-finished` also ends the
 //! segments of its call still open). `meta` carries `message_id` (required),
 //! `session_id` (or the older `run_id`), `inference_id`, `turn_id`. The stream id is
-//! `correlation.segment_id`, else `correlation.provider_call_id`, else `meta.message_id`.
+//! `correlation.segment_id`, else `correlation.provider_call_id`, else `meta.message_id`; the
+//! stream's key (which state, acknowledgements and output ids are kept under) adds its message
+//! id, so that a stream id another message reuses names another stream.
 //!
 //! Strings borrow from the payload when they hold no JSON escapes (Go's encoder writes `<` as
 //! `\u003c`, so text with tags is usually decoded into an owned string). Errors never quote the
@@ -101,6 +103,8 @@ pub struct StreamIdentity<'a> {
     pub message_id: Cow<'a, str>,
     /// The stream id (see the module documentation).
     pub stream_id: Cow<'a, str>,
+    /// The stream's key, unique across messages: see [`stream_key`].
+    pub key: Cow<'a, str>,
     /// `meta.session_id`, or `meta.run_id` from older producers.
     pub session_id: Cow<'a, str>,
     /// `meta.inference_id`.
@@ -174,6 +178,7 @@ impl InboundEvent<'_> {
             stream: StreamIdentity {
                 message_id: own(self.stream.message_id),
                 stream_id: own(self.stream.stream_id),
+                key: own(self.stream.key),
                 session_id: own(self.stream.session_id),
                 inference_id: own(self.stream.inference_id),
                 turn_id: own(self.stream.turn_id),
@@ -201,6 +206,7 @@ impl InboundEvent<'_> {
             identity: [
                 piece(self.stream.message_id),
                 piece(self.stream.stream_id),
+                piece(self.stream.key),
                 piece(self.stream.session_id),
                 piece(self.stream.inference_id),
                 piece(self.stream.turn_id),
@@ -222,8 +228,8 @@ impl InboundEvent<'_> {
 #[derive(Debug, Clone)]
 pub struct DetachedEvent {
     kind: Piece,
-    /// Message, stream, session, inference, turn and provider call ids.
-    identity: [Piece; 6],
+    /// Message and stream ids, stream key, session, inference, turn and provider call ids.
+    identity: [Piece; 7],
     action: DetachedAction,
 }
 
@@ -277,12 +283,13 @@ impl DetachedEvent {
     /// The event again, borrowing from `payload`, which must be the payload it was detached from
     /// (panics otherwise).
     pub fn attach<'a>(&'a self, payload: &'a [u8]) -> InboundEvent<'a> {
-        let [message_id, stream_id, session_id, inference_id, turn_id, provider_call_id] = &self.identity;
+        let [message_id, stream_id, key, session_id, inference_id, turn_id, provider_call_id] = &self.identity;
         InboundEvent {
             kind: self.kind.attach(payload),
             stream: StreamIdentity {
                 message_id: message_id.attach(payload),
                 stream_id: stream_id.attach(payload),
+                key: key.attach(payload),
                 session_id: session_id.attach(payload),
                 inference_id: inference_id.attach(payload),
                 turn_id: turn_id.attach(payload),
@@ -428,6 +435,39 @@ fn may_hold_control_characters(bytes: &[u8]) -> bool {
     bytes[at..].iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
 }
 
+/// The key of a stream of message `message_id` with its own stream id `stream_id` (`None` when
+/// the stream is its message): `<message id>/<stream id>`, or the message id alone. A `%` or `/` in
+/// the message id is escaped (`%25`, `%2F`), so that no two streams share a key: a key holds one
+/// unescaped `/` exactly when its stream has an id of its own, and the message id ends there.
+/// geppetto's segment and provider call ids are unique only within their inference (a producer
+/// that numbers every provider call of a tool loop 0 repeats them, each call under a new message
+/// id), and any producer may reuse another's: keyed by stream id alone, a second stream would be
+/// taken for the first one's late events, and its outputs would share `Nats-Msg-Id`s with it.
+pub fn stream_key<'a>(message_id: &Cow<'a, str>, stream_id: Option<&str>) -> Cow<'a, str> {
+    let escaped = memchr::memchr2(b'%', b'/', message_id.as_bytes()).is_some();
+    if stream_id.is_none() && !escaped {
+        return message_id.clone();
+    }
+    let capacity = message_id.len() + stream_id.map_or(0, |id| 1 + id.len()) + if escaped { 16 } else { 0 };
+    let mut key = String::with_capacity(capacity);
+    if escaped {
+        for c in message_id.chars() {
+            match c {
+                '%' => key.push_str("%25"),
+                '/' => key.push_str("%2F"),
+                c => key.push(c),
+            }
+        }
+    } else {
+        key.push_str(message_id);
+    }
+    if let Some(stream_id) = stream_id {
+        key.push('/');
+        key.push_str(stream_id);
+    }
+    Cow::Owned(key)
+}
+
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.
 pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>, DecodeError> {
     if payload.len() > max_event_bytes {
@@ -445,12 +485,16 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
         non_empty(fields.segment_id).or_else(|| provider_call_id.clone()).unwrap_or_else(|| message_id.clone());
     check_id(&message_id)?;
     // Most streams are identified by their message id, checked just now.
-    if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
+    let own_stream =
+        (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) && stream_id != message_id;
+    if own_stream {
         check_id(&stream_id)?;
     }
+    let key = stream_key(&message_id, own_stream.then_some(stream_id.as_ref()));
     let stream = StreamIdentity {
         message_id,
         stream_id,
+        key,
         session_id: bounded("meta.session_id", non_empty(fields.session_id).or(fields.run_id))?,
         inference_id: bounded("meta.inference_id", fields.inference_id)?,
         turn_id: bounded("meta.turn_id", fields.turn_id)?,
@@ -632,6 +676,31 @@ mod tests {
     }
 
     #[test]
+    fn a_streams_key_holds_its_message_id_and_no_two_streams_share_one() {
+        let key = |json: &str| decode(json.as_bytes(), 1 << 20).unwrap().stream.key.into_owned();
+        let delta = |message: &str, correlation: &str| {
+            key(&format!(r#"{{"type":"text-delta","meta":{{"message_id":"{message}"}}{correlation},"delta":"x"}}"#))
+        };
+        // A stream that is its message is keyed by its message id, borrowed from the payload.
+        let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"x"}}"#);
+        let event = decode(json.as_bytes(), 1 << 20).unwrap();
+        assert!(matches!(event.stream.key, Cow::Borrowed(MID)));
+        // A segment or provider call: after its message id.
+        assert_eq!(delta("m", r#","correlation":{"segment_id":"s","provider_call_id":"p"}"#), "m/s");
+        assert_eq!(delta("m", r#","correlation":{"provider_call_id":"p"}"#), "m/p");
+        // A segment id equal to its message id names the message's own stream.
+        assert_eq!(delta("m", r#","correlation":{"segment_id":"m"}"#), "m");
+        // `/` and `%` in a message id are escaped: these four streams share no key.
+        let keys = [
+            delta("a", r#","correlation":{"segment_id":"b/c"}"#),
+            delta("a/b", r#","correlation":{"segment_id":"c"}"#),
+            delta("a/b/c", ""),
+            delta("a%2Fb", r#","correlation":{"segment_id":"c"}"#),
+        ];
+        assert_eq!(keys, ["a/b/c", "a%2Fb/c", "a%2Fb%2Fc", "a%252Fb/c"]);
+    }
+
+    #[test]
     fn detached_events_keep_positions_of_borrowed_strings_and_attach_unchanged() {
         let json = format!(
             r#"{{"type":"final","meta":{{"message_id":"{MID}","session_id":"s\u003c1","turn_id":"t"}},"text":"a \u003cb\u003e c"}}"#
@@ -640,10 +709,10 @@ mod tests {
         let event = decode(payload, 1 << 20).unwrap();
         let detached = event.clone().detach(payload);
         let debug = format!("{detached:?}");
-        // Positions: type, message id (twice, as stream id), turn id. Owned: the escaped session
-        // id and text, the absent inference and provider call ids (empty) and the default
-        // reason, which are not in the payload.
-        assert_eq!(debug.matches("Span").count(), 4, "{debug}");
+        // Positions: type, message id (three times, as stream id and key), turn id. Owned: the
+        // escaped session id and text, the absent inference and provider call ids (empty) and the
+        // default reason, which are not in the payload.
+        assert_eq!(debug.matches("Span").count(), 5, "{debug}");
         assert_eq!(debug.matches("Owned").count(), 5, "{debug}");
         assert_eq!(detached.attach(payload), event);
         assert_eq!(detached.message_id(payload), MID);

@@ -101,13 +101,13 @@ pub struct Publication {
     pub content_type: &'static str,
     /// The encoded message.
     pub payload: Bytes,
-    /// `<stream_id>:<seq>`: deterministic, so JetStream can drop replayed duplicates.
+    /// `<stream key>:<seq>`: deterministic, so JetStream can drop replayed duplicates.
     pub msg_id: String,
 }
 
 impl Publication {
-    /// The id of the stream it belongs to (`msg_id` without its sequence number).
-    pub fn stream_id(&self) -> &str {
+    /// The key of the stream it belongs to (`msg_id` without its sequence number).
+    pub fn stream_key(&self) -> &str {
         self.msg_id.rsplit_once(':').map_or("", |(id, _)| id)
     }
 }
@@ -115,7 +115,8 @@ impl Publication {
 /// A stream's identity in the form every one of its messages needs.
 #[derive(Debug, Clone)]
 pub struct StreamHeader {
-    stream_id: Box<str>,
+    /// The stream's key ([`StreamIdentity::key`]), which output and item ids begin with.
+    key: Box<str>,
     /// Field 1 (`stream`) of every output message, key and length included.
     stream_field: Bytes,
     /// The vocabulary the stream arrived in (for geppetto JSON output).
@@ -134,16 +135,16 @@ impl StreamHeader {
         };
         let mut field = BytesMut::with_capacity(reference.encoded_len() + 4);
         prost::encoding::message::encode(1, &reference, &mut field);
-        StreamHeader { stream_id: identity.stream_id.as_ref().into(), stream_field: field.freeze(), vocabulary }
+        StreamHeader { key: identity.key.as_ref().into(), stream_field: field.freeze(), vocabulary }
     }
 
-    /// The stream id.
-    pub fn stream_id(&self) -> &str {
-        &self.stream_id
+    /// The stream's key.
+    pub fn key(&self) -> &str {
+        &self.key
     }
 
     fn item_id(&self, item: Item) -> String {
-        numbered(&self.stream_id, u64::from(item.number))
+        numbered(&self.key, u64::from(item.number))
     }
 }
 
@@ -401,7 +402,7 @@ impl OutputEncoder {
                 type_name: GEPPETTO_EVENT_TYPE,
                 content_type: JSON_CONTENT_TYPE,
                 payload,
-                msg_id: numbered(&header.stream_id, seq),
+                msg_id: numbered(&header.key, seq),
             };
         }
         let (subject, type_name, payload) = match &output.kind {
@@ -504,7 +505,7 @@ impl OutputEncoder {
             type_name,
             content_type: PROTOBUF_CONTENT_TYPE,
             payload,
-            msg_id: numbered(&header.stream_id, seq),
+            msg_id: numbered(&header.key, seq),
         }
     }
 
@@ -698,7 +699,7 @@ fn item_event(header: &StreamHeader, seq: u64, item: Item, tag_field: &[u8], eve
     use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
     let mut number = itoa::Buffer::new();
     let number = number.format(item.number);
-    let item_id_len = header.stream_id.len() + 1 + number.len();
+    let item_id_len = header.key.len() + 1 + number.len();
     let text_len =
         |text: &str| if text.is_empty() { 0 } else { key_len(1) + encoded_len_varint(text.len() as u64) + text.len() };
     let event_len = match &event {
@@ -723,7 +724,7 @@ fn item_event(header: &StreamHeader, seq: u64, item: Item, tag_field: &[u8], eve
     }
     encode_key(3, WireType::LengthDelimited, &mut buf);
     encode_varint(item_id_len as u64, &mut buf);
-    buf.put_slice(header.stream_id.as_bytes());
+    buf.put_slice(header.key.as_bytes());
     buf.put_u8(b':');
     buf.put_slice(number.as_bytes());
     buf.put_slice(tag_field);
@@ -816,6 +817,7 @@ mod tests {
         let identity = StreamIdentity {
             message_id: Cow::Borrowed("m-1"),
             stream_id: Cow::Borrowed("s-1"),
+            key: Cow::Borrowed("m-1/s-1"),
             session_id: Cow::Borrowed("sess"),
             ..Default::default()
         };
@@ -873,7 +875,7 @@ mod tests {
         for seq in [0, 1, 300, u64::MAX] {
             for number in [1, 130, u32::MAX] {
                 let item = Item { tag: crate::scanner::TagId(0), number };
-                let item_id = format!("s-1:{number}");
+                let item_id = format!("m-1/s-1:{number}");
                 for text in ["", "a", long.as_str()] {
                     let block = |event| proto::BlockEvent {
                         stream: None,
@@ -1204,11 +1206,11 @@ mod tests {
         let stream = text.stream.unwrap();
         assert_eq!((stream.message_id.as_str(), stream.stream_id.as_str()), ("m-1", "s-1"));
         assert_eq!(stream.session_id, "sess");
-        assert_eq!(pubs[0].msg_id, "s-1:1");
+        assert_eq!(pubs[0].msg_id, "m-1/s-1:1");
 
         let completed = proto::BlockEvent::decode(pubs[3].payload.clone()).unwrap();
         assert_eq!(pubs[3].subject.as_ref(), "chat.structured.app.Mode%2ESwitch.v1%2E2");
-        assert_eq!(completed.item_id, "s-1:1");
+        assert_eq!(completed.item_id, "m-1/s-1:1");
         assert_eq!(completed.tag.unwrap().r#type, "Mode.Switch");
         match completed.event {
             Some(proto::block_event::Event::Completed(c)) => assert!(c.success && c.raw == "k: v"),

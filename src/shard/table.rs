@@ -1,10 +1,11 @@
-//! One shard's streams: the map from stream id to pipeline state, in least-recently-used order.
+//! One shard's streams: the map from stream key (stream id and message id, see
+//! [`StreamIdentity::key`]) to pipeline state, in least-recently-used order.
 //!
 //! It owns the open streams, applies decoded events to them through the shared [`Pipeline`], and
 //! encodes every output with the [`OutputEncoder`] into a caller-provided sink, in stream order.
 //! Bounds: at most `max_streams` open streams (the longest idle is closed first, reason
 //! `evicted`), streams idle for `idle_timeout` are closed on [`StreamTable::expire`] (reason
-//! `expired`), and the last `finished_memory` finished stream ids are remembered so that a late
+//! `expired`), and the last `finished_memory` finished stream keys are remembered so that a late
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
 //! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
 //! its message, and `provider-call-finished` the open segments of its call: `Segments` finds
@@ -26,7 +27,7 @@ pub struct TableLimits {
     pub idle_timeout: Duration,
     /// Open streams; above it the longest-idle one is closed.
     pub max_streams: usize,
-    /// Finished stream ids remembered for late-event detection.
+    /// Finished stream keys remembered for late-event detection.
     pub finished_memory: usize,
 }
 
@@ -78,9 +79,8 @@ pub struct InputPosition {
     /// The input partition it arrived from (0 when the input is not read per partition). A
     /// stream keeps the partition of the event that opened it, so that giving a partition up
     /// ([`StreamTable::abandon_partition`]) finds exactly its streams, whatever the mapping of
-    /// message ids to partitions. That assumes every event of a stream arrives from one
-    /// partition: true when its stream id is its message id (the partition key) or a segment
-    /// id that no other message id shares.
+    /// message ids to partitions. That holds because every event of a stream arrives from one
+    /// partition: a stream's key holds its message id, the partition key.
     pub partition: u32,
     /// The input sequence (JetStream stream sequence), when the input has one.
     pub sequence: Option<u64>,
@@ -180,7 +180,7 @@ pub struct StreamTable {
     streams: LinkedHashMap<Box<str>, OpenStream>,
     /// The open segments, for the events that end them without naming them.
     segments: Segments,
-    /// Recently finished stream ids, oldest first.
+    /// Recently finished stream keys, oldest first.
     finished: LinkedHashSet<Box<str>>,
     /// Streams closed since the last [`StreamTable::take_closed`].
     closed: Vec<Box<str>>,
@@ -273,7 +273,7 @@ impl StreamTable {
     ) -> Disposition {
         #[cfg(test)]
         let sink = &mut hooked(self.panic_on_output, sink);
-        let stream_id = event.stream.stream_id.as_ref();
+        let key = event.stream.key.as_ref();
         let sequence = input.sequence;
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
@@ -287,7 +287,7 @@ impl StreamTable {
                 // The common case, a delta of an open stream, costs one lookup of its id. (A stream
                 // is never open and finished at once: a finished id is never opened again while it
                 // is remembered.)
-                if let RawEntryMut::Occupied(mut entry) = self.streams.raw_entry_mut().from_key(stream_id) {
+                if let RawEntryMut::Occupied(mut entry) = self.streams.raw_entry_mut().from_key(key) {
                     if sequence.is_some_and(|seq| seq <= entry.get().last_input) {
                         return Disposition::Duplicate;
                     }
@@ -301,14 +301,14 @@ impl StreamTable {
                     Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
                     return Disposition::Applied;
                 }
-                if self.finished.contains(stream_id) {
+                if self.finished.contains(key) {
                     self.stats.late_events += 1;
                     return Disposition::Late;
                 }
                 self.ensure_open(event, input.partition, now, sink, opened);
                 #[cfg(test)]
                 inject_failure(self.panic_on_delta, delta);
-                let open = self.streams.get_mut(stream_id).expect("ensure_open opened it");
+                let open = self.streams.get_mut(key).expect("ensure_open opened it");
                 Self::feed(&mut self.pipeline, &mut self.encoder, open, delta, sequence, now, sink);
                 Disposition::Applied
             }
@@ -326,28 +326,28 @@ impl StreamTable {
                 let ending = Ending { reason, error: error.as_deref() };
                 // The event's text is the whole message's, not a segment's.
                 self.end_segments(ids, ending, sink);
-                match self.streams.remove(stream_id) {
+                match self.streams.remove(key) {
                     Some(open) => {
-                        self.close(stream_id.into(), open, text.as_deref(), ending, sink);
+                        self.close(key.into(), open, text.as_deref(), ending, sink);
                         self.stats.finished += 1;
                     }
                     // Remembered, so that the event delivered again is late, not a new stream.
-                    None => self.remember_finished(stream_id.into()),
+                    None => self.remember_finished(key.into()),
                 }
                 Disposition::Applied
             }
-            _ if self.finished.contains(stream_id) => {
+            _ if self.finished.contains(key) => {
                 self.stats.late_events += 1;
                 Disposition::Late
             }
-            _ if sequence.is_some_and(|seq| self.streams.get(stream_id).is_some_and(|s| seq <= s.last_input)) => {
+            _ if sequence.is_some_and(|seq| self.streams.get(key).is_some_and(|s| seq <= s.last_input)) => {
                 Disposition::Duplicate
             }
             EventAction::Finish { text, reason, error } => {
                 self.ensure_open(event, input.partition, now, sink, opened);
-                let open = self.streams.remove(stream_id).expect("ensure_open opened it");
+                let open = self.streams.remove(key).expect("ensure_open opened it");
                 let ending = Ending { reason, error: error.as_deref() };
-                self.close(stream_id.into(), open, text.as_deref(), ending, sink);
+                self.close(key.into(), open, text.as_deref(), ending, sink);
                 self.stats.finished += 1;
                 Disposition::Applied
             }
@@ -421,9 +421,9 @@ impl StreamTable {
         }
     }
 
-    /// Whether `stream_id` closed since the last [`StreamTable::take_closed`].
-    pub fn has_closed(&self, stream_id: &str) -> bool {
-        self.closed.iter().any(|id| id.as_ref() == stream_id)
+    /// Whether stream `key` closed since the last [`StreamTable::take_closed`].
+    pub fn has_closed(&self, key: &str) -> bool {
+        self.closed.iter().any(|closed| closed.as_ref() == key)
     }
 
     /// The streams closed (finished, expired, evicted, shut down) since the last call, in order.
@@ -431,15 +431,15 @@ impl StreamTable {
         std::mem::take(&mut self.closed)
     }
 
-    /// Drops the state of `stream_id` without publishing anything, after processing one of its
+    /// Drops the state of stream `key` without publishing anything, after processing one of its
     /// events failed (its state may be half-updated). It counts as finished: later events of it
     /// are late, and the caller is told it closed (so held input is released).
-    pub fn discard(&mut self, stream_id: &str) {
-        if let Some(open) = self.streams.remove(stream_id) {
-            self.delist(stream_id, &open);
+    pub fn discard(&mut self, key: &str) {
+        if let Some(open) = self.streams.remove(key) {
+            self.delist(key, &open);
             self.stats.failed += 1;
         }
-        self.end_failed(stream_id.into());
+        self.end_failed(key.into());
     }
 
     /// After a panic: the stream that was being closed when it happened, if any, now counted as
@@ -484,7 +484,7 @@ impl StreamTable {
     /// Forgets, without closing them, the open streams of input partition `partition` (one that
     /// another replica now consumes, and rebuilds those streams from their unacknowledged input).
     /// They are not remembered as finished: if the partition comes back, their events are not
-    /// late. Returns their stream ids.
+    /// late. Returns their keys.
     pub fn abandon_partition(&mut self, partition: u32) -> Vec<Box<str>> {
         let ids: Vec<Box<str>> =
             self.streams.iter().filter(|(_, open)| open.partition == partition).map(|(id, _)| id.clone()).collect();
@@ -506,8 +506,8 @@ impl StreamTable {
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
     ) {
-        let stream_id = event.stream.stream_id.as_ref();
-        if let Some(open) = self.streams.to_back(stream_id) {
+        let key = event.stream.key.as_ref();
+        if let Some(open) = self.streams.to_back(key) {
             if open.partition != partition {
                 self.stats.partition_conflicts += 1;
             }
@@ -531,10 +531,10 @@ impl StreamTable {
         opened(&span);
         let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
-        let segment_of = (message_id != stream_id).then(|| {
+        let segment_of = (message_id != event.stream.stream_id).then(|| {
             let provider_call = event.stream.provider_call_id.as_ref().into();
             let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
-            self.segments.add(&of, stream_id);
+            self.segments.add(&of, key);
             of
         });
         let open = OpenStream {
@@ -546,7 +546,7 @@ impl StreamTable {
             partition,
             segment_of,
         };
-        self.streams.insert(stream_id.into(), open);
+        self.streams.insert(key.into(), open);
     }
 
     /// Takes stream `id`, no longer open, off the list of segments.
@@ -707,7 +707,7 @@ mod tests {
         decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
     }
 
-    /// `(message id, finish reason, error)` of every final among `outputs`.
+    /// `(stream id, finish reason, error)` of every final among `outputs`.
     fn finals(outputs: &[Publication]) -> Vec<(String, String, String)> {
         use prost::Message;
         outputs
@@ -735,7 +735,7 @@ mod tests {
         assert_eq!(finals(&out), vec![error("m:s1"), error("m:s2")]);
         // Each segment's open block completed as any stream end completes it.
         assert_eq!(out.iter().filter(|p| p.type_name == crate::codec::proto::names::BLOCK_EVENT).count(), 2);
-        assert_eq!(t.take_closed(), vec![Box::from("m:s1"), Box::from("m:s2")]);
+        assert_eq!(t.take_closed(), vec![Box::from("m/m:s1"), Box::from("m/m:s2")]);
         assert_eq!((t.len(), t.stats().finished), (2, 2));
         // Later events of the segments, and the same event again, are late.
         for late in [segment("m", "m:s1"), uncorrelated("error", "m")] {
@@ -755,6 +755,52 @@ mod tests {
         t.apply(&uncorrelated("error", "quiet"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         assert_eq!(finals(&out), vec![error("quiet")]);
         assert_eq!(t.len(), 1, "only the other message's segment is open");
+    }
+
+    #[test]
+    fn a_segment_id_another_message_reuses_names_another_stream() {
+        let mut t = table(10);
+        t.limits.finished_memory = 10;
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let segment_finished = |message: &str| {
+            let json = format!(
+                r#"{{"type":"text-segment-finished","meta":{{"message_id":"{message}"}},"correlation":{{"segment_id":"s"}},"finish_reason":"stop"}}"#
+            );
+            decode(json.as_bytes(), 1 << 20).unwrap().into_owned()
+        };
+        // Each call of a tool loop has a message id of its own; a producer that numbers every call
+        // 0 gives their segments one id. The second call's segment is not the first one's late
+        // event: it opens and ends on its own, with output ids of its own.
+        for message in ["call-1", "call-2"] {
+            assert_eq!(
+                t.apply(&segment(message, "s"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {}),
+                Disposition::Applied
+            );
+            assert_eq!(
+                t.apply(&segment_finished(message), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {}),
+                Disposition::Applied
+            );
+        }
+        assert_eq!(t.take_closed(), vec![Box::from("call-1/s"), Box::from("call-2/s")]);
+        let ids: Vec<&str> = out.iter().map(|p| p.msg_id.as_str()).collect();
+        let unique: std::collections::HashSet<&str> = ids.iter().copied().collect();
+        assert_eq!(unique.len(), ids.len(), "output ids repeat: {ids:?}");
+        assert_eq!(t.stats().late_events, 0);
+        // Open at once, neither touches the other: another message's end of `s` leaves it open.
+        out.clear();
+        t.apply(&segment("victim", "s"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        t.apply(&segment("intruder", "s"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        t.apply(&segment_finished("intruder"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("intruder/s")], 1));
+        // The intruder's final holds its own text only, under its own message id.
+        use prost::Message;
+        let last = crate::codec::proto::FilteredText::decode(out.last().unwrap().payload.clone()).unwrap();
+        let stream = last.stream.unwrap_or_default();
+        assert_eq!((stream.message_id.as_str(), stream.stream_id.as_str()), ("intruder", "s"));
+        assert_eq!((last.r#final, last.text.as_str()), (true, "x "));
+        let victims: Vec<_> = out.iter().filter(|p| p.msg_id.starts_with("victim/s:")).collect();
+        assert!(!victims.is_empty() && finals(&victims.into_iter().cloned().collect::<Vec<_>>()).is_empty());
     }
 
     #[test]
@@ -784,7 +830,7 @@ mod tests {
         assert_eq!(got, Disposition::PassThrough);
         let cancelled = |id: &str| (id.to_owned(), "cancelled".to_owned(), String::new());
         assert_eq!(finals(&out), vec![cancelled("a"), cancelled("c"), cancelled("d")]);
-        assert_eq!(t.take_closed(), vec![Box::from("a"), Box::from("c"), Box::from("d")]);
+        assert_eq!(t.take_closed(), vec![Box::from("m/a"), Box::from("m/c"), Box::from("m/d")]);
         assert_eq!((t.len(), t.stats().finished), (2, 3));
         // The same end again, or the end of a call with nothing open, changes nothing.
         for event in [call_finished("p1"), call_finished("p9")] {
@@ -818,16 +864,16 @@ mod tests {
         apply(&mut t, &segment_of_call("b", "p", "x"), 3);
         // The first call's end delivered again, after the second call's segment: it stays open.
         assert_eq!(apply(&mut t, &call_finished, 2), Disposition::PassThrough);
-        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("a")], 1));
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("m/a")], 1));
         // An error ends the message's segment; a redelivery of it, after a segment that opened
         // since, is a duplicate and leaves that segment open.
         assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Applied);
         apply(&mut t, &segment_of_call("c", "q", "x"), 5);
         assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 4), Disposition::Duplicate);
-        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("b")], 1));
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("m/b")], 1));
         // A later error ends it.
         assert_eq!(apply(&mut t, &uncorrelated("error", "m"), 6), Disposition::Applied);
-        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("c")], 0));
+        assert_eq!((t.take_closed(), t.len()), (vec![Box::from("m/c")], 0));
     }
 
     /// One event of two messages' segments, provider calls and legacy streams (see

@@ -50,20 +50,15 @@ pub trait ShardSink: Send + 'static {
     /// Where the event sits in the input: its partition (for giving a partition up) and its input
     /// sequence, when the input has one (for duplicate detection).
     fn position(&self, envelope: &Self::Envelope) -> InputPosition;
-    /// The event was applied to `stream_id` (or was a duplicate of one applied): its outputs are
+    /// The event was applied to stream `key` (or was a duplicate of one applied): its outputs are
     /// published. The sink may hold the envelope (to acknowledge it when the stream ends);
     /// `standing` says whether it can be the lowest input of its stream.
-    fn applied(
-        &mut self,
-        stream_id: &str,
-        envelope: Self::Envelope,
-        standing: Standing,
-    ) -> impl Future<Output = ()> + Send;
+    fn applied(&mut self, key: &str, envelope: Self::Envelope, standing: Standing) -> impl Future<Output = ()> + Send;
     /// The stream ended and its last outputs are published.
-    fn stream_closed(&mut self, stream_id: &str) -> impl Future<Output = ()> + Send;
+    fn stream_closed(&mut self, key: &str) -> impl Future<Output = ()> + Send;
     /// The stream was given up without closing it (its input is another replica's now, which
     /// rebuilds it from what is unacknowledged): whatever the sink holds for it is dropped unsent.
-    fn stream_abandoned(&mut self, stream_id: &str);
+    fn stream_abandoned(&mut self, key: &str);
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Self::Envelope);
     /// Reports counters after a change. Called after every event applied outside a worker, so it
@@ -130,7 +125,7 @@ impl<S: ShardSink> Shard<S> {
         // with it; those of a stream it closed first (evicted to make room) are published, since
         // that stream is closed and its input acknowledged.
         // The event's own stream (the one discarded if applying the event fails).
-        let own = event.stream.stream_id.as_ref();
+        let own = event.stream.key.as_ref();
         // Whether the failure came while closing the event's own stream (a final).
         let mut own_close_failed = false;
         let applied = loop {
@@ -149,8 +144,8 @@ impl<S: ShardSink> Shard<S> {
                     // of its own id, as when none is open). Each retry has one stream fewer open,
                     // so this ends.
                     Some(other) => {
-                        outputs.retain(|p| p.stream_id() != other.as_ref());
-                        tracing::error!(shard = *index, stream_id = %other, "closing a stream failed; it was discarded");
+                        outputs.retain(|p| p.stream_key() != other.as_ref());
+                        tracing::error!(shard = *index, stream.key = %other, "closing a stream failed; it was discarded");
                         continue;
                     }
                     None => {}
@@ -169,10 +164,10 @@ impl<S: ShardSink> Shard<S> {
                     // The last outputs of a stream evicted to make room come first; the event did
                     // not cause them (they must not carry its trace context). Only an event that
                     // opened its stream can have evicted one: the others skip the comparison.
-                    let cause = (!opening || p.stream_id() == own).then_some(&envelope);
+                    let cause = (!opening || p.stream_key() == own).then_some(&envelope);
                     sink.publish(p, cause).await;
                 }
-                sink.applied(&event.stream.stream_id, envelope, standing).await;
+                sink.applied(own, envelope, standing).await;
             }
             Ok(Disposition::PassThrough) => {
                 // The last outputs of segments the event ended (`provider-call-finished`), before
@@ -187,13 +182,13 @@ impl<S: ShardSink> Shard<S> {
                 // Only streams that did close (a failure while closing the event's own stream has
                 // closed it already, without its last outputs).
                 outputs.retain(|p| {
-                    let id = p.stream_id();
-                    id != own && table.has_closed(id)
+                    let key = p.stream_key();
+                    key != own && table.has_closed(key)
                 });
                 if !own_close_failed {
                     table.discard(own);
                 }
-                tracing::error!(shard = *index, stream_id = %own, "processing an event failed; the stream was discarded");
+                tracing::error!(shard = *index, stream.key = %own, "processing an event failed; the stream was discarded");
                 for p in outputs.drain(..) {
                     sink.publish(p, None).await;
                 }
@@ -460,8 +455,8 @@ fn close_contained(
 ) {
     while std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| close(table, outputs))).is_err() {
         let Some(failed) = table.recover_failed_close() else { return };
-        outputs.retain(|p| p.stream_id() != &*failed);
-        tracing::error!(shard = index, stream_id = %failed, "closing a stream failed; it was discarded");
+        outputs.retain(|p| p.stream_key() != &*failed);
+        tracing::error!(shard = index, stream.key = %failed, "closing a stream failed; it was discarded");
     }
 }
 
@@ -799,12 +794,12 @@ mod tests {
         set.route(event(r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#, 3)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        assert!(!log.iter().any(|l| l.contains(" m:s1:2 ")), "no final of the broken segment: {log:?}");
-        assert!(log.contains(&"closed m:s1".to_owned()), "its held input is released: {log:?}");
+        assert!(!log.iter().any(|l| l.contains(" m/m:s1:2 ")), "no final of the broken segment: {log:?}");
+        assert!(log.contains(&"closed m/m:s1".to_owned()), "its held input is released: {log:?}");
         let final_of_s2 =
-            log.iter().position(|l| l.contains(" m:s2:2 Some(3)")).expect("s2's final, caused by the error");
+            log.iter().position(|l| l.contains(" m/m:s2:2 Some(3)")).expect("s2's final, caused by the error");
         assert!(final_of_s2 < at(&log, "applied m 3 Following"), "{log:?}");
-        assert!(at(&log, "applied m 3 Following") < at(&log, "closed m:s2"), "{log:?}");
+        assert!(at(&log, "applied m 3 Following") < at(&log, "closed m/m:s2"), "{log:?}");
         assert!(
             !log.iter().any(|l| l.contains(" m:1 ") || l.starts_with("dead 3")),
             "no stream of the message id: {log:?}"
@@ -822,8 +817,8 @@ mod tests {
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
         let final_of_s =
-            log.iter().position(|l| l == "chat.filtered s:2 Some(2)").expect("s's final, caused by the end");
-        assert!(final_of_s < at(&log, "pass 2") && at(&log, "pass 2") < at(&log, "closed s"), "{log:?}");
+            log.iter().position(|l| l == "chat.filtered m/s:2 Some(2)").expect("s's final, caused by the end");
+        assert!(final_of_s < at(&log, "pass 2") && at(&log, "pass 2") < at(&log, "closed m/s"), "{log:?}");
     }
 
     #[tokio::test]

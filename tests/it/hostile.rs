@@ -180,6 +180,73 @@ async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
     assert_eq!(info.state.messages, 2, "both outputs of `a` stored, none dropped as a duplicate");
 }
 
+/// A segment id is unique only within its message's inference: geppetto numbers a provider call
+/// from its caller's index, 0 when none is set, so each call of such a tool loop (each under a
+/// message id of its own) names its segment as the previous call did, and any producer may name
+/// another's. Keyed by segment id alone, the second call's deltas were taken for late events of
+/// the first (dead-lettered, `stream_finished`), an end sent under another message id ended an
+/// open segment, and outputs shared `Nats-Msg-Id`s, which a deduplicating stream drops. A stream's
+/// key now holds its message id: each message's segment is its own.
+#[tokio::test]
+async fn a_segment_id_reused_by_another_message_names_another_stream() {
+    let server = NatsServer::start();
+    let service = RunningService::start(test_config(&server.url())).await.unwrap();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stored = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "FILTERED".into(),
+            subjects: vec!["chat.filtered".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut dead = client.subscribe("chat.dlq").await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let correlation = json!({"provider_call_id": "gemini:inf-1:provider-call:0",
+        "segment_id": "gemini:inf-1:provider-call:0:segment:0:text"});
+    let delta = |id: &str, delta: &str| {
+        json!({"type": "text-delta", "meta": {"message_id": id}, "correlation": correlation, "delta": delta})
+            .to_string()
+    };
+    let finished = |id: &str| {
+        json!({"type": "text-segment-finished", "meta": {"message_id": id}, "correlation": correlation,
+            "finish_reason": "stop"})
+        .to_string()
+    };
+    let events = [
+        delta("call-1", "Looking "),
+        delta("call-1", "it up."),
+        finished("call-1"),
+        delta("call-2", "Found "),
+        // Another message's end of the same segment id, while call-2's segment is open.
+        finished("intruder"),
+        delta("call-2", "it."),
+        finished("call-2"),
+    ];
+    for event in events {
+        client.publish("chat", event.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let ids = ["call-1", "call-2", "intruder"];
+    let out =
+        collect(&mut filtered, Duration::from_secs(5), |ms| ids.iter().all(|id| final_of(ms, id).is_some())).await;
+    let dead = collect(&mut dead, Duration::from_secs(1), |ms| !ms.is_empty()).await;
+    service.shutdown().await.unwrap();
+
+    assert!(dead.is_empty(), "dead-lettered: {:?}", dead.iter().map(error_header).collect::<Vec<_>>());
+    assert_eq!(visible(&out, "call-1"), "Looking it up.");
+    assert_eq!(visible(&out, "call-2"), "Found it.");
+    for (id, text) in [("call-1", "Looking it up."), ("call-2", "Found it."), ("intruder", "")] {
+        let last = final_of(&out, id).unwrap();
+        assert_eq!((last.text.as_str(), last.finish_reason.as_str()), (text, "stop"), "{id}");
+    }
+    assert_eq!(texts(&out).iter().filter(|t| t.r#final).count(), 3, "one final per message");
+    let info = stored.info().await.unwrap();
+    assert_eq!(info.state.messages, out.len() as u64, "every output stored, none dropped as a duplicate");
+}
+
 #[tokio::test]
 async fn blocks_that_overflow_or_never_close_fail_and_the_stream_goes_on() {
     let server = NatsServer::start();

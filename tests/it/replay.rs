@@ -73,7 +73,8 @@ fn replay_filters_the_example_conversation() {
     let last = messages(&records, "chat.filtered", CANONICAL).last().unwrap();
     assert_eq!(last["text"], "Sources:  done.");
     let citations = messages(&records, "chat.structured.geppetto.citations.v1", CANONICAL).last().unwrap();
-    assert_eq!(citations["item_id"], format!("{CANONICAL}:1"));
+    // Item ids begin with the stream's key: its message id, then its segment id.
+    assert_eq!(citations["item_id"], format!("9b1d7f00-0000-4000-8000-000000000002/{CANONICAL}:1"));
     assert_eq!(citations["completed"]["success"], true);
 }
 

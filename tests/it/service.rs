@@ -159,8 +159,11 @@ async fn outputs_equal_the_offline_replay_with_headers(shards: usize) {
         let h = m.headers.as_ref().expect("headers");
         assert_eq!(h.get("Content-Type").unwrap().as_str(), "application/x-protobuf");
         let json = as_json(m);
-        let expected_id =
-            format!("{}:{}", json["stream"]["stream_id"].as_str().unwrap(), json["seq"].as_str().unwrap());
+        // The stream's key: its message id, then its own stream id when it has one.
+        let (message, stream) =
+            (json["stream"]["message_id"].as_str().unwrap(), json["stream"]["stream_id"].as_str().unwrap());
+        let key = if stream == message { message.to_owned() } else { format!("{message}/{stream}") };
+        let expected_id = format!("{key}:{}", json["seq"].as_str().unwrap());
         assert_eq!(h.get("Nats-Msg-Id").unwrap().as_str(), expected_id);
         assert_eq!(h.get("traceparent").unwrap().as_str(), "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
     }
