@@ -191,7 +191,9 @@ pub fn event_decoding(payload: &[u8]) {
                 assert!(!id.is_empty() && id.len() <= MAX_ID_BYTES, "unusable id of {} bytes", id.len());
                 assert!(!id.chars().any(char::is_control), "an id with control characters was accepted");
             }
-            let key = &event.stream.key;
+            let separators = event.stream.message_id.contains(['%', '/']);
+            assert_eq!(event.stream.message_id_escapes, separators, "the id scan missed or invented a separator");
+            let key = event.stream.key(&mut String::new()).to_owned();
             assert!(!key.is_empty() && !key.chars().any(char::is_control), "an unusable stream key");
             if let EventAction::Finish { reason, .. } = &event.action {
                 assert!(!reason.is_empty(), "a finish without a reason");

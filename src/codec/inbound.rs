@@ -7,8 +7,8 @@
 //! segments of its call still open). `meta` carries `message_id` (required),
 //! `session_id` (or the older `run_id`), `inference_id`, `turn_id`. The stream id is
 //! `correlation.segment_id`, else `correlation.provider_call_id`, else `meta.message_id`; the
-//! stream's key (which state, acknowledgements and output ids are kept under) adds its message
-//! id, so that a stream id another message reuses names another stream.
+//! stream's key ([`StreamIdentity::key`], which state, acknowledgements and output ids are kept
+//! under) adds its message id, so that a stream id another message reuses names another stream.
 //!
 //! Strings borrow from the payload when they hold no JSON escapes (Go's encoder writes `<` as
 //! `\u003c`, so text with tags is usually decoded into an owned string). Errors never quote the
@@ -103,8 +103,9 @@ pub struct StreamIdentity<'a> {
     pub message_id: Cow<'a, str>,
     /// The stream id (see the module documentation).
     pub stream_id: Cow<'a, str>,
-    /// The stream's key, unique across messages: see [`stream_key`].
-    pub key: Cow<'a, str>,
+    /// Whether the message id holds `%` or `/`, which [`StreamIdentity::key`] escapes (found by
+    /// the scan that checks the id, so that no event scans it again).
+    pub message_id_escapes: bool,
     /// `meta.session_id`, or `meta.run_id` from older producers.
     pub session_id: Cow<'a, str>,
     /// `meta.inference_id`.
@@ -113,6 +114,44 @@ pub struct StreamIdentity<'a> {
     pub turn_id: Cow<'a, str>,
     /// `correlation.provider_call_id` (empty when absent): the provider call a segment belongs to.
     pub provider_call_id: Cow<'a, str>,
+}
+
+impl StreamIdentity<'_> {
+    /// The stream's key, which its state, acknowledgements and output ids are kept under:
+    /// `<message id>/<stream id>` for a stream with an id of its own (a segment or provider call),
+    /// else the message id. A `%` or `/` in the message id is written `%25` or `%2F`, so that no
+    /// two streams share a key: a key holds an unescaped `/` exactly when its stream has an id of
+    /// its own, and the message id ends there. Segment and provider call ids are unique only
+    /// within their inference (geppetto numbers a tool loop's provider calls from its caller's
+    /// index, 0 for each call when none is set, and each call has a message id of its own), and
+    /// any producer may reuse another's: keyed by stream id alone, a second stream would be taken
+    /// for the first one's late events, and its outputs would share `Nats-Msg-Id`s with it.
+    ///
+    /// Written into `scratch` unless it is the message id as it stands (so a key costs no
+    /// allocation once `scratch` has grown to fit).
+    pub fn key<'s>(&'s self, scratch: &'s mut String) -> &'s str {
+        let own = (*self.stream_id != *self.message_id).then_some(&*self.stream_id);
+        if own.is_none() && !self.message_id_escapes {
+            return &self.message_id;
+        }
+        scratch.clear();
+        if self.message_id_escapes {
+            for c in self.message_id.chars() {
+                match c {
+                    '%' => scratch.push_str("%25"),
+                    '/' => scratch.push_str("%2F"),
+                    c => scratch.push(c),
+                }
+            }
+        } else {
+            scratch.push_str(&self.message_id);
+        }
+        if let Some(own) = own {
+            scratch.push('/');
+            scratch.push_str(own);
+        }
+        scratch
+    }
 }
 
 /// What an event asks the pipeline to do.
@@ -178,7 +217,7 @@ impl InboundEvent<'_> {
             stream: StreamIdentity {
                 message_id: own(self.stream.message_id),
                 stream_id: own(self.stream.stream_id),
-                key: own(self.stream.key),
+                message_id_escapes: self.stream.message_id_escapes,
                 session_id: own(self.stream.session_id),
                 inference_id: own(self.stream.inference_id),
                 turn_id: own(self.stream.turn_id),
@@ -203,10 +242,10 @@ impl InboundEvent<'_> {
         let piece = |c: Cow<'_, str>| Piece::new(c, payload);
         DetachedEvent {
             kind: piece(self.kind),
+            message_id_escapes: self.stream.message_id_escapes,
             identity: [
                 piece(self.stream.message_id),
                 piece(self.stream.stream_id),
-                piece(self.stream.key),
                 piece(self.stream.session_id),
                 piece(self.stream.inference_id),
                 piece(self.stream.turn_id),
@@ -228,8 +267,9 @@ impl InboundEvent<'_> {
 #[derive(Debug, Clone)]
 pub struct DetachedEvent {
     kind: Piece,
-    /// Message and stream ids, stream key, session, inference, turn and provider call ids.
-    identity: [Piece; 7],
+    /// Message, stream, session, inference, turn and provider call ids.
+    identity: [Piece; 6],
+    message_id_escapes: bool,
     action: DetachedAction,
 }
 
@@ -283,13 +323,13 @@ impl DetachedEvent {
     /// The event again, borrowing from `payload`, which must be the payload it was detached from
     /// (panics otherwise).
     pub fn attach<'a>(&'a self, payload: &'a [u8]) -> InboundEvent<'a> {
-        let [message_id, stream_id, key, session_id, inference_id, turn_id, provider_call_id] = &self.identity;
+        let [message_id, stream_id, session_id, inference_id, turn_id, provider_call_id] = &self.identity;
         InboundEvent {
             kind: self.kind.attach(payload),
             stream: StreamIdentity {
                 message_id: message_id.attach(payload),
                 stream_id: stream_id.attach(payload),
-                key: key.attach(payload),
+                message_id_escapes: self.message_id_escapes,
                 session_id: session_id.attach(payload),
                 inference_id: inference_id.attach(payload),
                 turn_id: turn_id.attach(payload),
@@ -405,7 +445,8 @@ fn finish_reason<'a>(field: &'static str, value: Option<Cow<'a, str>>) -> Result
     Ok(if reason.is_empty() { Cow::Borrowed("stop") } else { reason })
 }
 
-fn check_id(id: &str) -> Result<(), DecodeError> {
+/// Checks an id; returns whether it holds `%` or `/` (which a stream key escapes in a message id).
+fn check_id(id: &str) -> Result<bool, DecodeError> {
     if id.len() > MAX_ID_BYTES {
         return Err(DecodeError::InvalidMessageId("longer than 256 bytes"));
     }
@@ -416,56 +457,37 @@ fn check_id(id: &str) -> Result<(), DecodeError> {
     }
     // Control characters (`Cc`) are C0 (bytes below 0x20), DEL and C1 (U+0080 to U+009F, encoded
     // as 0xC2 0x80..0x9F): a scan of the bytes first, of the characters only when one may be there.
-    if may_hold_control_characters(id.as_bytes()) && id.chars().any(char::is_control) {
+    let IdScan { controls, separators } = scan_id(id.as_bytes());
+    if controls && id.chars().any(char::is_control) {
         return Err(DecodeError::InvalidMessageId("contains control characters"));
     }
-    Ok(())
+    Ok(separators)
 }
 
-/// Whether `bytes` holds a byte below 0x20, DEL (0x7f) or 0xc2 (the lead byte of C1 controls),
-/// sixteen bytes at a time (ids are checked on every event).
-fn may_hold_control_characters(bytes: &[u8]) -> bool {
+/// What a scan of an id's bytes found.
+#[derive(Debug, PartialEq, Eq)]
+struct IdScan {
+    /// A byte below 0x20, DEL (0x7f) or 0xc2 (the lead byte of C1 controls): a control character
+    /// may be there.
+    controls: bool,
+    /// `%` or `/`.
+    separators: bool,
+}
+
+/// Scans `bytes` sixteen at a time (ids are checked on every event).
+fn scan_id(bytes: &[u8]) -> IdScan {
+    let (mut controls, mut separators) = (0, 0);
     let mut at = 0;
     while let Some(chunk) = reader::Chunk::at(bytes, at) {
-        if chunk.below(0x20) | chunk.equal(0x7f) | chunk.equal(0xc2) != 0 {
-            return true;
-        }
+        controls |= chunk.below(0x20) | chunk.equal(0x7f) | chunk.equal(0xc2);
+        separators |= chunk.equal(b'%') | chunk.equal(b'/');
         at += 16;
     }
-    bytes[at..].iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2)
-}
-
-/// The key of a stream of message `message_id` with its own stream id `stream_id` (`None` when
-/// the stream is its message): `<message id>/<stream id>`, or the message id alone. A `%` or `/` in
-/// the message id is escaped (`%25`, `%2F`), so that no two streams share a key: a key holds one
-/// unescaped `/` exactly when its stream has an id of its own, and the message id ends there.
-/// geppetto's segment and provider call ids are unique only within their inference (a producer
-/// that numbers every provider call of a tool loop 0 repeats them, each call under a new message
-/// id), and any producer may reuse another's: keyed by stream id alone, a second stream would be
-/// taken for the first one's late events, and its outputs would share `Nats-Msg-Id`s with it.
-pub fn stream_key<'a>(message_id: &Cow<'a, str>, stream_id: Option<&str>) -> Cow<'a, str> {
-    let escaped = memchr::memchr2(b'%', b'/', message_id.as_bytes()).is_some();
-    if stream_id.is_none() && !escaped {
-        return message_id.clone();
+    let tail = &bytes[at..];
+    IdScan {
+        controls: controls != 0 || tail.iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2),
+        separators: separators != 0 || tail.iter().any(|&b| b == b'%' || b == b'/'),
     }
-    let capacity = message_id.len() + stream_id.map_or(0, |id| 1 + id.len()) + if escaped { 16 } else { 0 };
-    let mut key = String::with_capacity(capacity);
-    if escaped {
-        for c in message_id.chars() {
-            match c {
-                '%' => key.push_str("%25"),
-                '/' => key.push_str("%2F"),
-                c => key.push(c),
-            }
-        }
-    } else {
-        key.push_str(message_id);
-    }
-    if let Some(stream_id) = stream_id {
-        key.push('/');
-        key.push_str(stream_id);
-    }
-    Cow::Owned(key)
 }
 
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.
@@ -483,18 +505,15 @@ pub fn decode(payload: &[u8], max_event_bytes: usize) -> Result<InboundEvent<'_>
     let provider_call_id = non_empty(fields.provider_call_id);
     let stream_id =
         non_empty(fields.segment_id).or_else(|| provider_call_id.clone()).unwrap_or_else(|| message_id.clone());
-    check_id(&message_id)?;
+    let message_id_escapes = check_id(&message_id)?;
     // Most streams are identified by their message id, checked just now.
-    let own_stream =
-        (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) && stream_id != message_id;
-    if own_stream {
+    if (stream_id.as_ptr(), stream_id.len()) != (message_id.as_ptr(), message_id.len()) {
         check_id(&stream_id)?;
     }
-    let key = stream_key(&message_id, own_stream.then_some(stream_id.as_ref()));
     let stream = StreamIdentity {
         message_id,
         stream_id,
-        key,
+        message_id_escapes,
         session_id: bounded("meta.session_id", non_empty(fields.session_id).or(fields.run_id))?,
         inference_id: bounded("meta.inference_id", fields.inference_id)?,
         turn_id: bounded("meta.turn_id", fields.turn_id)?,
@@ -638,7 +657,7 @@ mod tests {
     const MID: &str = "3f2a9c1e-5b7d-4e8a-9b10-2c3d4e5f6071";
 
     #[test]
-    fn the_chunk_wise_control_check_finds_what_a_byte_wise_one_finds() {
+    fn the_chunk_wise_id_scan_finds_what_a_byte_wise_one_finds() {
         let suspect = |b: u8| b < 0x20 || b == 0x7f || b == 0xc2;
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for len in 0..40 {
@@ -650,14 +669,17 @@ mod tests {
                         seed ^= seed << 17;
                         // Mostly printable, sometimes a byte near the suspects.
                         match seed % 16 {
-                            0 => {
-                                [0x00, 0x1f, 0x20, 0x7e, 0x7f, 0x80, 0xc1, 0xc2, 0xc3, 0xff][(seed >> 8) as usize % 10]
-                            }
+                            0 => [0x00, 0x1f, 0x20, 0x25, 0x2f, 0x7e, 0x7f, 0x80, 0xc1, 0xc2, 0xc3, 0xff]
+                                [(seed >> 8) as usize % 12],
                             _ => b'a' + (seed >> 8) as u8 % 26,
                         }
                     })
                     .collect();
-                assert_eq!(may_hold_control_characters(&bytes), bytes.iter().any(|&b| suspect(b)), "{bytes:?}");
+                let expected = IdScan {
+                    controls: bytes.iter().any(|&b| suspect(b)),
+                    separators: bytes.iter().any(|&b| b == b'%' || b == b'/'),
+                };
+                assert_eq!(scan_id(&bytes), expected, "{bytes:?}");
             }
         }
     }
@@ -677,14 +699,16 @@ mod tests {
 
     #[test]
     fn a_streams_key_holds_its_message_id_and_no_two_streams_share_one() {
-        let key = |json: &str| decode(json.as_bytes(), 1 << 20).unwrap().stream.key.into_owned();
+        let key = |json: &str| decode(json.as_bytes(), 1 << 20).unwrap().stream.key(&mut String::new()).to_owned();
         let delta = |message: &str, correlation: &str| {
             key(&format!(r#"{{"type":"text-delta","meta":{{"message_id":"{message}"}}{correlation},"delta":"x"}}"#))
         };
-        // A stream that is its message is keyed by its message id, borrowed from the payload.
+        // A stream that is its message is keyed by its message id as it stands, nothing written.
         let json = format!(r#"{{"type":"partial","meta":{{"message_id":"{MID}"}},"delta":"x"}}"#);
         let event = decode(json.as_bytes(), 1 << 20).unwrap();
-        assert!(matches!(event.stream.key, Cow::Borrowed(MID)));
+        let mut scratch = String::new();
+        assert_eq!(event.stream.key(&mut scratch), MID);
+        assert!(scratch.is_empty());
         // A segment or provider call: after its message id.
         assert_eq!(delta("m", r#","correlation":{"segment_id":"s","provider_call_id":"p"}"#), "m/s");
         assert_eq!(delta("m", r#","correlation":{"provider_call_id":"p"}"#), "m/p");
@@ -709,10 +733,10 @@ mod tests {
         let event = decode(payload, 1 << 20).unwrap();
         let detached = event.clone().detach(payload);
         let debug = format!("{detached:?}");
-        // Positions: type, message id (three times, as stream id and key), turn id. Owned: the
-        // escaped session id and text, the absent inference and provider call ids (empty) and the
-        // default reason, which are not in the payload.
-        assert_eq!(debug.matches("Span").count(), 5, "{debug}");
+        // Positions: type, message id (twice, as stream id), turn id. Owned: the escaped session
+        // id and text, the absent inference and provider call ids (empty) and the default
+        // reason, which are not in the payload.
+        assert_eq!(debug.matches("Span").count(), 4, "{debug}");
         assert_eq!(debug.matches("Owned").count(), 5, "{debug}");
         assert_eq!(detached.attach(payload), event);
         assert_eq!(detached.message_id(payload), MID);

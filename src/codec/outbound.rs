@@ -135,7 +135,7 @@ impl StreamHeader {
         };
         let mut field = BytesMut::with_capacity(reference.encoded_len() + 4);
         prost::encoding::message::encode(1, &reference, &mut field);
-        StreamHeader { key: identity.key.as_ref().into(), stream_field: field.freeze(), vocabulary }
+        StreamHeader { key: identity.key(&mut String::new()).into(), stream_field: field.freeze(), vocabulary }
     }
 
     /// The stream's key.
@@ -817,7 +817,6 @@ mod tests {
         let identity = StreamIdentity {
             message_id: Cow::Borrowed("m-1"),
             stream_id: Cow::Borrowed("s-1"),
-            key: Cow::Borrowed("m-1/s-1"),
             session_id: Cow::Borrowed("sess"),
             ..Default::default()
         };

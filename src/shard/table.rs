@@ -1,5 +1,6 @@
 //! One shard's streams: the map from stream key (stream id and message id, see
-//! [`StreamIdentity::key`]) to pipeline state, in least-recently-used order.
+//! [`StreamIdentity::key`](crate::codec::inbound::StreamIdentity::key)) to pipeline state, in
+//! least-recently-used order.
 //!
 //! It owns the open streams, applies decoded events to them through the shared [`Pipeline`], and
 //! encodes every output with the [`OutputEncoder`] into a caller-provided sink, in stream order.
@@ -184,6 +185,8 @@ pub struct StreamTable {
     finished: LinkedHashSet<Box<str>>,
     /// Streams closed since the last [`StreamTable::take_closed`].
     closed: Vec<Box<str>>,
+    /// Where [`StreamTable::apply`] writes an event's stream key, reused from event to event.
+    key_scratch: String,
     /// The stream being closed, while it is: a panic that leaves it set happened while closing
     /// that stream ([`StreamTable::recover_failed_close`]).
     closing: Option<Box<str>>,
@@ -230,6 +233,7 @@ impl StreamTable {
             segments: Segments::default(),
             finished: LinkedHashSet::new(),
             closed: Vec::new(),
+            key_scratch: String::new(),
             closing: None,
             stats: TableStats::default(),
             #[cfg(test)]
@@ -271,9 +275,26 @@ impl StreamTable {
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
     ) -> Disposition {
+        // Taken out while it is borrowed; a panic loses it, and it grows again.
+        let mut scratch = std::mem::take(&mut self.key_scratch);
+        let disposition = self.apply_keyed(event, event.stream.key(&mut scratch), input, now, sink, opened);
+        self.key_scratch = scratch;
+        disposition
+    }
+
+    /// [`StreamTable::apply`] for a caller that has the event's stream key at hand: `key` must be
+    /// the event's [`StreamIdentity::key`](crate::codec::inbound::StreamIdentity::key).
+    pub fn apply_keyed(
+        &mut self,
+        event: &InboundEvent<'_>,
+        key: &str,
+        input: InputPosition,
+        now: Instant,
+        sink: &mut impl FnMut(Publication),
+        opened: &mut dyn FnMut(&tracing::Span),
+    ) -> Disposition {
         #[cfg(test)]
         let sink = &mut hooked(self.panic_on_output, sink);
-        let key = event.stream.key.as_ref();
         let sequence = input.sequence;
         match &event.action {
             EventAction::PassThrough => Disposition::PassThrough,
@@ -305,7 +326,7 @@ impl StreamTable {
                     self.stats.late_events += 1;
                     return Disposition::Late;
                 }
-                self.ensure_open(event, input.partition, now, sink, opened);
+                self.ensure_open(event, key, input.partition, now, sink, opened);
                 #[cfg(test)]
                 inject_failure(self.panic_on_delta, delta);
                 let open = self.streams.get_mut(key).expect("ensure_open opened it");
@@ -344,7 +365,7 @@ impl StreamTable {
                 Disposition::Duplicate
             }
             EventAction::Finish { text, reason, error } => {
-                self.ensure_open(event, input.partition, now, sink, opened);
+                self.ensure_open(event, key, input.partition, now, sink, opened);
                 let open = self.streams.remove(key).expect("ensure_open opened it");
                 let ending = Ending { reason, error: error.as_deref() };
                 self.close(key.into(), open, text.as_deref(), ending, sink);
@@ -501,12 +522,12 @@ impl StreamTable {
     fn ensure_open(
         &mut self,
         event: &InboundEvent<'_>,
+        key: &str,
         partition: u32,
         now: Instant,
         sink: &mut impl FnMut(Publication),
         opened: &mut dyn FnMut(&tracing::Span),
     ) {
-        let key = event.stream.key.as_ref();
         if let Some(open) = self.streams.to_back(key) {
             if open.partition != partition {
                 self.stats.partition_conflicts += 1;

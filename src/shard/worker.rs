@@ -88,6 +88,8 @@ pub struct Shard<S> {
     sink: S,
     /// Outputs of the event being applied, handed to the sink once it is applied (reused).
     outputs: Vec<Publication>,
+    /// Where the key of the event being applied is written (reused).
+    key_scratch: String,
     tick: Interval,
     /// At [`Shard::finish`]: close open streams with reason `shutdown` (core NATS input), or leave
     /// them unacknowledged, to be rebuilt by the next owner (JetStream input).
@@ -100,7 +102,7 @@ impl<S: ShardSink> Shard<S> {
     pub fn new(index: usize, table: StreamTable, sink: S, expiry_tick: Duration, close_on_shutdown: bool) -> Self {
         let mut tick = tokio::time::interval(expiry_tick);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        Shard { index, table, sink, outputs: Vec::new(), tick, close_on_shutdown }
+        Shard { index, table, sink, outputs: Vec::new(), key_scratch: String::new(), tick, close_on_shutdown }
     }
 
     /// Waits for the next expiry tick and returns its time, for [`Shard::expire`]. Cancel-safe:
@@ -112,7 +114,7 @@ impl<S: ShardSink> Shard<S> {
     /// Applies one event at `now` and publishes what it produced, then closes the streams it
     /// ended.
     pub async fn apply(&mut self, event: &InboundEvent<'_>, envelope: S::Envelope, now: Instant) {
-        let Shard { index, table, sink, outputs, .. } = self;
+        let Shard { index, table, sink, outputs, key_scratch, .. } = self;
         let input = sink.position(&envelope);
         let mut opening = false;
         let opened = &mut |span: &tracing::Span| {
@@ -125,12 +127,12 @@ impl<S: ShardSink> Shard<S> {
         // with it; those of a stream it closed first (evicted to make room) are published, since
         // that stream is closed and its input acknowledged.
         // The event's own stream (the one discarded if applying the event fails).
-        let own = event.stream.key.as_ref();
+        let own = event.stream.key(key_scratch);
         // Whether the failure came while closing the event's own stream (a final).
         let mut own_close_failed = false;
         let applied = loop {
             let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                table.apply(event, input, now, &mut |p| outputs.push(p), opened)
+                table.apply_keyed(event, own, input, now, &mut |p| outputs.push(p), opened)
             }));
             if attempt.is_err() {
                 match table.recover_failed_close() {
