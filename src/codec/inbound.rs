@@ -130,7 +130,10 @@ impl StreamIdentity<'_> {
     /// Written into `scratch` unless it is the message id as it stands (so a key costs no
     /// allocation once `scratch` has grown to fit).
     pub fn key<'s>(&'s self, scratch: &'s mut String) -> &'s str {
-        let own = (*self.stream_id != *self.message_id).then_some(&*self.stream_id);
+        // Most streams that are their message borrow both ids from one place in the payload.
+        let same = (self.stream_id.as_ptr(), self.stream_id.len()) == (self.message_id.as_ptr(), self.message_id.len())
+            || *self.stream_id == *self.message_id;
+        let own = (!same).then_some(&*self.stream_id);
         if own.is_none() && !self.message_id_escapes {
             return &self.message_id;
         }
@@ -474,20 +477,28 @@ struct IdScan {
     separators: bool,
 }
 
-/// Scans `bytes` sixteen at a time (ids are checked on every event).
+/// Scans `bytes` sixteen at a time (ids are checked on every event). The last sixteen bytes are
+/// one chunk, overlapping the one before: a byte seen twice changes no answer, and no byte is
+/// left to a loop of its own.
 fn scan_id(bytes: &[u8]) -> IdScan {
+    let Some(last) = bytes.len().checked_sub(16) else {
+        return IdScan {
+            controls: bytes.iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2),
+            separators: bytes.iter().any(|&b| b == b'%' || b == b'/'),
+        };
+    };
     let (mut controls, mut separators) = (0, 0);
     let mut at = 0;
-    while let Some(chunk) = reader::Chunk::at(bytes, at) {
+    loop {
+        let chunk = reader::Chunk::at(bytes, at.min(last)).expect("sixteen bytes from at most `last`");
         controls |= chunk.below(0x20) | chunk.equal(0x7f) | chunk.equal(0xc2);
         separators |= chunk.equal(b'%') | chunk.equal(b'/');
+        if at >= last {
+            break;
+        }
         at += 16;
     }
-    let tail = &bytes[at..];
-    IdScan {
-        controls: controls != 0 || tail.iter().any(|&b| b < 0x20 || b == 0x7f || b == 0xc2),
-        separators: separators != 0 || tail.iter().any(|&b| b == b'%' || b == b'/'),
-    }
+    IdScan { controls: controls != 0, separators: separators != 0 }
 }
 
 /// Decodes one event payload. `max_event_bytes` bounds the payload size.
