@@ -142,18 +142,23 @@ async fn message_ids_with_subject_syntax_are_processed_and_never_reach_a_subject
     assert!(subjects.contains("chat.structured.myapp.ModeSwitch.v1"));
 }
 
-/// A downstream JetStream stream drops an output whose `Nats-Msg-Id` it stored within its
-/// duplicate window, and the server reads a header value without its leading spaces: the outputs
-/// of message ` a` (ids ` a:1`, ` a:2`) took those of message `a` (`a:1`, `a:2`), and whichever
-/// came second was dropped, as if published twice. An id that begins with a space is refused
-/// (`invalid_message_id`) instead, and `a` keeps all of its outputs.
-#[tokio::test]
-async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
+/// A running service whose filtered text a JetStream stream stores (deduplicating by
+/// `Nats-Msg-Id`, as every stream does), with subscriptions to its dead letters and filtered text.
+struct Deduplicating {
+    server: NatsServer,
+    service: RunningService,
+    client: async_nats::Client,
+    stored: async_nats::jetstream::stream::Stream,
+    dead: async_nats::Subscriber,
+    filtered: async_nats::Subscriber,
+}
+
+async fn deduplicating() -> Deduplicating {
     let server = NatsServer::start();
     let service = RunningService::start(test_config(&server.url())).await.unwrap();
     let client = async_nats::connect(server.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    let mut stored = js
+    let stored = js
         .create_stream(async_nats::jetstream::stream::Config {
             name: "FILTERED".into(),
             subjects: vec!["chat.filtered".into()],
@@ -161,9 +166,20 @@ async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
         })
         .await
         .unwrap();
-    let mut dead = client.subscribe("chat.dlq").await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    let dead = client.subscribe("chat.dlq").await.unwrap();
+    let filtered = client.subscribe("chat.filtered").await.unwrap();
     client.flush().await.unwrap();
+    Deduplicating { server, service, client, stored, dead, filtered }
+}
+
+/// A downstream JetStream stream drops an output whose `Nats-Msg-Id` it stored within its
+/// duplicate window, and the server reads a header value without its leading spaces: the outputs
+/// of message ` a` (ids ` a:1`, ` a:2`) took those of message `a` (`a:1`, `a:2`), and whichever
+/// came second was dropped, as if published twice. An id that begins with a space is refused
+/// (`invalid_message_id`) instead, and `a` keeps all of its outputs.
+#[tokio::test]
+async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
+    let Deduplicating { server: _server, service, client, mut stored, mut dead, mut filtered } = deduplicating().await;
     for id in [" a", "a"] {
         client.publish("chat", partial(id, "hello").into()).await.unwrap();
         client.publish("chat", final_event(id).into()).await.unwrap();
@@ -189,21 +205,7 @@ async fn an_id_beginning_with_a_space_is_refused_not_taken_for_another() {
 /// key now holds its message id: each message's segment is its own.
 #[tokio::test]
 async fn a_segment_id_reused_by_another_message_names_another_stream() {
-    let server = NatsServer::start();
-    let service = RunningService::start(test_config(&server.url())).await.unwrap();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client.clone());
-    let mut stored = js
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: "FILTERED".into(),
-            subjects: vec!["chat.filtered".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let mut dead = client.subscribe("chat.dlq").await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let Deduplicating { server: _server, service, client, mut stored, mut dead, mut filtered } = deduplicating().await;
     let correlation = json!({"provider_call_id": "gemini:inf-1:provider-call:0",
         "segment_id": "gemini:inf-1:provider-call:0:segment:0:text"});
     let delta = |id: &str, delta: &str| {
