@@ -2,7 +2,7 @@
 //! `nats-server` on a loopback port.
 //!
 //! Run (release): `cargo bench --bench e2e -- [--streams N] [--events-per-stream M]
-//! [--mode core|jetstream] [--quick] [--idle-streams N] [--no-completion] [--window N]
+//! [--mode core|jetstream] [--quick] [--idle-streams N] [--idle-canonical] [--no-completion] [--window N]
 //! [--rounds R] [--rate EVENTS_PER_S] [--paired EVENTS_PER_S]...` (`--help` lists the rest).
 //! Without `--bench` on the command line (as under `cargo test --all-targets`) it runs a small
 //! smoke configuration and fails if an output is missing.
@@ -86,6 +86,10 @@ struct Args {
     mode: Mode,
     quick: bool,
     idle_streams: usize,
+    /// The idle streams are segments in the canonical vocabulary (`text-delta` naming a segment
+    /// and a provider call, as geppetto sends since v0.11.23) rather than legacy `partial`s: each
+    /// also holds its key, its segment id and a place in the index of its message's segments.
+    idle_canonical: bool,
     cumulative: bool,
     window: u64,
     rounds: usize,
@@ -115,7 +119,7 @@ struct Args {
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
-[--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--no-completion] [--window N (20000)] \
+[--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--idle-canonical] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
 [--storage file|memory (jetstream; file)] [--worker-threads N (one per CPU)] [--stall-seconds S (10)] \
@@ -131,6 +135,7 @@ fn parse_args() -> Result<Args> {
         mode: Mode::Core,
         quick: false,
         idle_streams: 100_000,
+        idle_canonical: false,
         cumulative: true,
         window: 20_000,
         rounds: 1,
@@ -162,6 +167,7 @@ fn parse_args() -> Result<Args> {
             "--rounds" => args.rounds = number(a, it.next())?.clamp(1, 10),
             "--shards" => args.shards = number(a, it.next())?,
             "--quick" => args.quick = true,
+            "--idle-canonical" => args.idle_canonical = true,
             "--no-completion" => args.cumulative = false,
             "--profile-service" => args.profile = Some(System::Service),
             "--profile-relay" => args.profile = Some(System::Relay),
@@ -1308,8 +1314,15 @@ async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) 
     let mut published = 0u64;
     for i in 0..n {
         let mid = message_id(0x1d1e, i);
-        let json =
-            format!(r#"{{"type":"partial","meta":{},"delta":"Let me","completion":"Let me"}}"#, legacy_meta(&mid, i));
+        let json = if args.idle_canonical {
+            let call = format!("openai:inf-{i}:provider-call:0");
+            format!(
+                r#"{{"type":"text-delta","meta":{},"correlation":{{"provider_call_id":"{call}","segment_id":"{call}:msg_{i:x}:0:text"}},"delta":"Let me","text":"Let me"}}"#,
+                legacy_meta(&mid, i)
+            )
+        } else {
+            format!(r#"{{"type":"partial","meta":{},"delta":"Let me","completion":"Let me"}}"#, legacy_meta(&mid, i))
+        };
         producer.publish(INPUT_SUBJECT, Bytes::from(json)).await?;
         published += 1;
         if published % batch == 0 {
@@ -1660,11 +1673,12 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         per_10k_mib = mib(delta) * 10_000.0 / m.streams.max(1) as f64;
         let _ = writeln!(
             out,
-            "\n### Open idle streams\n\n{} streams, one 6-byte delta each and no final (streams_open reached {} in \
-             {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
+            "\n### Open idle streams\n\n{} streams ({}), one 6-byte delta each and no final (streams_open reached {} \
+             in {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
              per 10,000 streams | per stream | projected for 100,000 |\n|---|---|---|---|---|---|\n| {:.1} MiB | {:.1} \
              MiB | {:.1} MiB | {:.2} MiB | {:.0} B | {:.0} MiB |\n",
             m.streams,
+            if args.idle_canonical { "canonical segments, `--idle-canonical`" } else { "legacy `partial`s" },
             m.open,
             m.seconds,
             mib(m.rss_before_kib),
