@@ -115,8 +115,9 @@ impl Publication {
 /// A stream's identity in the form every one of its messages needs.
 #[derive(Debug, Clone)]
 pub struct StreamHeader {
-    /// The stream's key ([`StreamIdentity::key`]), which output and item ids begin with.
-    key: Box<str>,
+    /// The stream's key ([`StreamIdentity::key`]), which output and item ids begin with (shared
+    /// with the stream table, which keeps the stream under it).
+    key: Arc<str>,
     /// Field 1 (`stream`) of every output message, key and length included.
     stream_field: Bytes,
     /// The vocabulary the stream arrived in (for geppetto JSON output).
@@ -124,8 +125,9 @@ pub struct StreamHeader {
 }
 
 impl StreamHeader {
-    /// Prepares the header of the stream `identity`, which arrived in `vocabulary`.
-    pub fn new(identity: &StreamIdentity<'_>, vocabulary: Vocabulary) -> Self {
+    /// Prepares the header of the stream `identity` (whose [key](StreamIdentity::key) is `key`),
+    /// which arrived in `vocabulary`.
+    pub fn new(identity: &StreamIdentity<'_>, key: Arc<str>, vocabulary: Vocabulary) -> Self {
         let reference = proto::StreamRef {
             message_id: identity.message_id.to_string(),
             stream_id: identity.stream_id.to_string(),
@@ -135,7 +137,7 @@ impl StreamHeader {
         };
         let mut field = BytesMut::with_capacity(reference.encoded_len() + 4);
         prost::encoding::message::encode(1, &reference, &mut field);
-        StreamHeader { key: identity.key(&mut String::new()).into(), stream_field: field.freeze(), vocabulary }
+        StreamHeader { key, stream_field: field.freeze(), vocabulary }
     }
 
     /// The stream's key.
@@ -820,7 +822,8 @@ mod tests {
             session_id: Cow::Borrowed("sess"),
             ..Default::default()
         };
-        (pipeline, encoder, StreamHeader::new(&identity, Vocabulary::Legacy))
+        let key = identity.key(&mut String::new()).into();
+        (pipeline, encoder, StreamHeader::new(&identity, key, Vocabulary::Legacy))
     }
 
     #[test]
@@ -943,7 +946,7 @@ mod tests {
             OutputEncoder::with_text_encoding(&pipeline, &OutputSubjects::default(), TextEncoding::GeppettoJson);
         let identity =
             StreamIdentity { message_id: Cow::Borrowed("m"), stream_id: Cow::Borrowed("s"), ..Default::default() };
-        let header = StreamHeader::new(&identity, vocabulary);
+        let header = StreamHeader::new(&identity, identity.key(&mut String::new()).into(), vocabulary);
         let mut s = StreamState::new();
         let mut pubs = Vec::new();
         let mut sink = |o: Output<'_>| pubs.push(encoder.encode(&header, &o));
@@ -1013,7 +1016,7 @@ mod tests {
                     stream_id: Cow::Borrowed("s"),
                     ..Default::default()
                 };
-                let header = StreamHeader::new(&identity, vocabulary);
+                let header = StreamHeader::new(&identity, identity.key(&mut String::new()).into(), vocabulary);
                 let subjects = OutputSubjects::default();
                 let mut json = OutputEncoder::with_text_encoding(&pipeline, &subjects, TextEncoding::GeppettoJson);
                 let mut protobuf = OutputEncoder::new(&pipeline, &subjects);

@@ -12,6 +12,7 @@
 //! its message, and `provider-call-finished` the open segments of its call: `Segments` finds
 //! them. It knows nothing of tokio, NATS or wire bytes.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hashlink::linked_hash_map::RawEntryMut;
@@ -126,12 +127,12 @@ struct SegmentOf {
 struct Segments(LinkedHashMap<Box<str>, CallSegments>);
 
 /// One message's open segments, by provider call.
-type CallSegments = LinkedHashMap<Box<str>, LinkedHashSet<Box<str>>>;
+type CallSegments = LinkedHashMap<Box<str>, LinkedHashSet<Arc<str>>>;
 
 impl Segments {
-    fn add(&mut self, of: &SegmentOf, id: &str) {
+    fn add(&mut self, of: &SegmentOf, id: &Arc<str>) {
         let calls = self.0.entry(of.message_id.clone()).or_insert_with(LinkedHashMap::new);
-        calls.entry(of.provider_call.clone()).or_insert_with(LinkedHashSet::new).insert(id.into());
+        calls.entry(of.provider_call.clone()).or_insert_with(LinkedHashSet::new).insert(id.clone());
     }
 
     fn remove(&mut self, of: &SegmentOf, id: &str) {
@@ -153,7 +154,7 @@ impl Segments {
 
     /// The segments of `message_id`: of provider call `call` and of none, or of every call when
     /// `call` is `None`.
-    fn of(&self, message_id: &str, call: Option<&str>) -> Vec<Box<str>> {
+    fn of(&self, message_id: &str, call: Option<&str>) -> Vec<Arc<str>> {
         let Some(calls) = self.0.get(message_id) else { return Vec::new() };
         let listed = |call: &str| calls.get(call).into_iter().flatten().cloned();
         match call {
@@ -177,8 +178,9 @@ pub struct StreamTable {
     pipeline: Pipeline,
     encoder: OutputEncoder,
     limits: TableLimits,
-    /// Open streams, least recently used first.
-    streams: LinkedHashMap<Box<str>, OpenStream>,
+    /// Open streams, least recently used first. A key is shared with its stream's header and its
+    /// place among the segments (a canonical stream's key is about 90 bytes).
+    streams: LinkedHashMap<Arc<str>, OpenStream>,
     /// The open segments, for the events that end them without naming them.
     segments: Segments,
     /// Recently finished stream keys, oldest first.
@@ -349,7 +351,7 @@ impl StreamTable {
                 self.end_segments(ids, ending, sink);
                 match self.streams.remove(key) {
                     Some(open) => {
-                        self.close(key.into(), open, text.as_deref(), ending, sink);
+                        self.close(key, open, text.as_deref(), ending, sink);
                         self.stats.finished += 1;
                     }
                     // Remembered, so that the event delivered again is late, not a new stream.
@@ -368,7 +370,7 @@ impl StreamTable {
                 self.ensure_open(event, key, input.partition, now, sink, opened);
                 let open = self.streams.remove(key).expect("ensure_open opened it");
                 let ending = Ending { reason, error: error.as_deref() };
-                self.close(key.into(), open, text.as_deref(), ending, sink);
+                self.close(key, open, text.as_deref(), ending, sink);
                 self.stats.finished += 1;
                 Disposition::Applied
             }
@@ -379,7 +381,7 @@ impl StreamTable {
     /// one) that an event ending them at input sequence `sequence` ends: the segments it follows
     /// in the input. A segment that applied later input opened after the event, which is then a
     /// redelivery (a first delivery comes in stream order) and must not end it.
-    fn segments_ended_by(&self, message_id: &str, call: Option<&str>, sequence: Option<u64>) -> Vec<Box<str>> {
+    fn segments_ended_by(&self, message_id: &str, call: Option<&str>, sequence: Option<u64>) -> Vec<Arc<str>> {
         let mut ids = self.segments.of(message_id, call);
         if let Some(sequence) = sequence {
             ids.retain(|id| self.streams.get(id).is_some_and(|open| open.last_input < sequence));
@@ -389,10 +391,10 @@ impl StreamTable {
 
     /// Ends the open segments `ids`, in that order, with `ending`. Each close delists its segment
     /// before it can fail, so that after a failure the event applied again ends the others.
-    fn end_segments(&mut self, ids: Vec<Box<str>>, ending: Ending<'_>, sink: &mut impl FnMut(Publication)) {
+    fn end_segments(&mut self, ids: Vec<Arc<str>>, ending: Ending<'_>, sink: &mut impl FnMut(Publication)) {
         for id in ids {
             let open = self.streams.remove(&id).expect("listed segments are open");
-            self.close(id, open, None, ending, sink);
+            self.close(&id, open, None, ending, sink);
             self.stats.finished += 1;
         }
     }
@@ -425,7 +427,7 @@ impl StreamTable {
                 break;
             }
             let (id, open) = self.streams.pop_front().expect("front exists");
-            self.close(id, open, None, "expired".into(), sink);
+            self.close(&id, open, None, "expired".into(), sink);
             self.stats.expired += 1;
             closed += 1;
         }
@@ -437,7 +439,7 @@ impl StreamTable {
         #[cfg(test)]
         let sink = &mut hooked(self.panic_on_output, sink);
         while let Some((id, open)) = self.streams.pop_front() {
-            self.close(id, open, None, reason.into(), sink);
+            self.close(&id, open, None, reason.into(), sink);
             self.stats.closed_at_shutdown += 1;
         }
     }
@@ -507,10 +509,14 @@ impl StreamTable {
     /// They are not remembered as finished: if the partition comes back, their events are not
     /// late. Returns their keys.
     pub fn abandon_partition(&mut self, partition: u32) -> Vec<Box<str>> {
-        let ids: Vec<Box<str>> =
-            self.streams.iter().filter(|(_, open)| open.partition == partition).map(|(id, _)| id.clone()).collect();
+        let ids: Vec<Box<str>> = self
+            .streams
+            .iter()
+            .filter(|(_, open)| open.partition == partition)
+            .map(|(id, _)| Box::from(&**id))
+            .collect();
         for id in &ids {
-            if let Some(open) = self.streams.remove(id) {
+            if let Some(open) = self.streams.remove(&**id) {
                 self.delist(id, &open);
             }
         }
@@ -536,7 +542,7 @@ impl StreamTable {
         }
         while self.streams.len() >= self.limits.max_streams {
             let Some((id, open)) = self.streams.pop_front() else { break };
-            self.close(id, open, None, "evicted".into(), sink);
+            self.close(&id, open, None, "evicted".into(), sink);
             self.stats.evicted += 1;
         }
         self.stats.opened += 1;
@@ -550,12 +556,13 @@ impl StreamTable {
             stream.finish_reason = tracing::field::Empty,
         );
         opened(&span);
-        let header = StreamHeader::new(&event.stream, Vocabulary::of(&event.kind));
+        let key: Arc<str> = key.into();
+        let header = StreamHeader::new(&event.stream, key.clone(), Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
         let segment_of = (message_id != event.stream.stream_id).then(|| {
             let provider_call = event.stream.provider_call_id.as_ref().into();
             let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
-            self.segments.add(&of, key);
+            self.segments.add(&of, &key);
             of
         });
         let open = OpenStream {
@@ -567,7 +574,7 @@ impl StreamTable {
             partition,
             segment_of,
         };
-        self.streams.insert(key.into(), open);
+        self.streams.insert(key, open);
     }
 
     /// Takes stream `id`, no longer open, off the list of segments.
@@ -579,15 +586,15 @@ impl StreamTable {
 
     fn close(
         &mut self,
-        id: Box<str>,
+        id: &str,
         mut open: OpenStream,
         final_text: Option<&str>,
         ending: Ending<'_>,
         sink: &mut impl FnMut(Publication),
     ) {
-        self.delist(&id, &open);
+        self.delist(id, &open);
         // Held here while the stream closes, so that a panic leaves it behind.
-        self.closing = Some(id);
+        self.closing = Some(id.into());
         let (pipeline, encoder, header) = (&mut self.pipeline, &mut self.encoder, &open.header);
         pipeline.finish(&mut open.state, final_text, ending, &mut |o: Output<'_>| sink(encoder.encode(header, &o)));
         let id = self.closing.take().expect("set before the stream closed");
