@@ -869,8 +869,9 @@ impl ShardSink for NatsSink {
         let key: Option<Box<str>> = confirm.then(|| publication.stream_key().into());
         let (subject, mut headers, kind) = self.templates.prepared(&publication);
         // The id is the stream key (its message and stream ids, checked for control characters
-        // when its event was decoded) and a number, so it never holds a line break; were it to, the output is reported and
-        // dropped rather than published with a forged header or a panic.
+        // when its event was decoded) and a number, so it never holds a line break; were it to,
+        // the output is reported and dropped rather than published with a forged header or a
+        // panic.
         let Some(msg_id) = bus::header_value(publication.msg_id) else {
             self.metrics.count_publish_error(kind);
             tracing::error!(%subject, "publish failed: the output's message id holds a line break");

@@ -117,6 +117,15 @@ pub struct StreamIdentity<'a> {
 }
 
 impl StreamIdentity<'_> {
+    /// The stream id when the stream has one of its own (a segment or provider call): `None` when
+    /// the stream is its message.
+    pub fn own_stream_id(&self) -> Option<&str> {
+        // Most streams that are their message borrow both ids from one place in the payload.
+        let same = (self.stream_id.as_ptr(), self.stream_id.len()) == (self.message_id.as_ptr(), self.message_id.len())
+            || *self.stream_id == *self.message_id;
+        (!same).then_some(&*self.stream_id)
+    }
+
     /// The stream's key, which its state, acknowledgements and output ids are kept under:
     /// `<message id>/<stream id>` for a stream with an id of its own (a segment or provider call),
     /// else the message id. A `%` or `/` in the message id is written `%25` or `%2F`, so that no
@@ -130,10 +139,7 @@ impl StreamIdentity<'_> {
     /// Written into `scratch` unless it is the message id as it stands (so a key costs no
     /// allocation once `scratch` has grown to fit).
     pub fn key<'s>(&'s self, scratch: &'s mut String) -> &'s str {
-        // Most streams that are their message borrow both ids from one place in the payload.
-        let same = (self.stream_id.as_ptr(), self.stream_id.len()) == (self.message_id.as_ptr(), self.message_id.len())
-            || *self.stream_id == *self.message_id;
-        let own = (!same).then_some(&*self.stream_id);
+        let own = self.own_stream_id();
         if own.is_none() && !self.message_id_escapes {
             return &self.message_id;
         }
@@ -209,7 +215,7 @@ impl InboundEvent<'_> {
     /// send one while a text segment is still open: a provider error in the middle of a segment,
     /// which not every provider's path closes with `text-segment-finished` first.
     pub fn ends_message(&self) -> bool {
-        matches!(self.kind.as_ref(), "error" | "interrupt") && self.stream.stream_id == self.stream.message_id
+        matches!(self.kind.as_ref(), "error" | "interrupt") && self.stream.own_stream_id().is_none()
     }
 
     /// The same event owning its strings.

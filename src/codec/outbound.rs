@@ -140,11 +140,6 @@ impl StreamHeader {
         StreamHeader { key, stream_field: field.freeze(), vocabulary }
     }
 
-    /// The stream's key.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-
     fn item_id(&self, item: Item) -> String {
         numbered(&self.key, u64::from(item.number))
     }

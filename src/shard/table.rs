@@ -559,7 +559,7 @@ impl StreamTable {
         let key: Arc<str> = key.into();
         let header = StreamHeader::new(&event.stream, key.clone(), Vocabulary::of(&event.kind));
         let message_id = event.stream.message_id.as_ref();
-        let segment_of = (message_id != event.stream.stream_id).then(|| {
+        let segment_of = event.stream.own_stream_id().map(|_| {
             let provider_call = event.stream.provider_call_id.as_ref().into();
             let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
             self.segments.add(&of, &key);
@@ -827,8 +827,8 @@ mod tests {
         let stream = last.stream.unwrap_or_default();
         assert_eq!((stream.message_id.as_str(), stream.stream_id.as_str()), ("intruder", "s"));
         assert_eq!((last.r#final, last.text.as_str()), (true, "x "));
-        let victims: Vec<_> = out.iter().filter(|p| p.msg_id.starts_with("victim/s:")).collect();
-        assert!(!victims.is_empty() && finals(&victims.into_iter().cloned().collect::<Vec<_>>()).is_empty());
+        let victims: Vec<Publication> = out.iter().filter(|p| p.msg_id.starts_with("victim/s:")).cloned().collect();
+        assert!(!victims.is_empty() && finals(&victims).is_empty(), "the victim's segment stays open");
     }
 
     #[test]
