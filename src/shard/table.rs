@@ -9,8 +9,8 @@
 //! `expired`), and the last `finished_memory` finished stream keys are remembered so that a late
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
 //! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
-//! its message, and `provider-call-finished` the open segments of its call: `Segments` finds
-//! them. It knows nothing of tokio, NATS or wire bytes.
+//! its message, and `provider-call-finished` the open segments of its call: the
+//! [`Segments`] index finds them. It knows nothing of tokio, NATS or wire bytes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -21,6 +21,8 @@ use hashlink::{LinkedHashMap, LinkedHashSet};
 use crate::codec::inbound::{EventAction, InboundEvent};
 use crate::codec::outbound::{EncoderStats, OutputEncoder, Publication, StreamHeader, Vocabulary};
 use crate::pipeline::{Ending, Output, Pipeline, PipelineStats, StreamState};
+
+use super::segments::{message_part, Segments};
 
 /// Bounds of a table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,71 +108,9 @@ struct OpenStream {
     last_input: u64,
     /// The input partition its events arrive from (see [`InputPosition::partition`]).
     partition: u32,
-    /// What it is a segment of, when its id is not its message id (a canonical segment).
-    segment_of: Option<Box<SegmentOf>>,
-}
-
-/// The message and provider call a segment belongs to: where [`Segments`] lists it.
-struct SegmentOf {
-    message_id: Box<str>,
-    /// Its `correlation.provider_call_id` (bounded by `decode`); empty when it had none: then the
-    /// end of any call of its message ends it.
-    provider_call: Box<str>,
-}
-
-/// The open segments (streams whose id is not their message id), by message id, then provider
-/// call, each in the order they opened (calls in the order they were first seen). An event that
-/// ends a message or a call names no segment, and finds its segments here: each lookup costs the
-/// segments it ends, whatever else is open. Every segment listed is open; an emptied list goes
-/// with its last segment, so this holds no more than the table does.
-#[derive(Default)]
-struct Segments(LinkedHashMap<Box<str>, CallSegments>);
-
-/// One message's open segments, by provider call.
-type CallSegments = LinkedHashMap<Box<str>, LinkedHashSet<Arc<str>>>;
-
-impl Segments {
-    fn add(&mut self, of: &SegmentOf, id: &Arc<str>) {
-        let calls = self.0.entry(of.message_id.clone()).or_insert_with(LinkedHashMap::new);
-        calls.entry(of.provider_call.clone()).or_insert_with(LinkedHashSet::new).insert(id.clone());
-    }
-
-    fn remove(&mut self, of: &SegmentOf, id: &str) {
-        let Some(calls) = self.0.get_mut(&of.message_id) else { return };
-        if let Some(ids) = calls.get_mut(&of.provider_call) {
-            ids.remove(id);
-            if ids.is_empty() {
-                calls.remove(&of.provider_call);
-            }
-        }
-        if calls.is_empty() {
-            self.0.remove(&of.message_id);
-        }
-    }
-
-    fn has_message(&self, message_id: &str) -> bool {
-        self.0.contains_key(message_id)
-    }
-
-    /// The segments of `message_id`: of provider call `call` and of none, or of every call when
-    /// `call` is `None`.
-    fn of(&self, message_id: &str, call: Option<&str>) -> Vec<Arc<str>> {
-        let Some(calls) = self.0.get(message_id) else { return Vec::new() };
-        let listed = |call: &str| calls.get(call).into_iter().flatten().cloned();
-        match call {
-            Some(call) if !call.is_empty() => listed(call).chain(listed("")).collect(),
-            _ => calls.values().flatten().cloned().collect(),
-        }
-    }
-
-    fn clear(&mut self) {
-        self.0.clear();
-    }
-
-    #[cfg(test)]
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
+    /// The provider call it is listed under in the [`Segments`] index (empty when it named
+    /// none), when it is a segment: a stream whose key holds an id of its own.
+    segment_of_call: Option<Arc<str>>,
 }
 
 /// One shard's streams.
@@ -302,7 +242,7 @@ impl StreamTable {
             EventAction::PassThrough => Disposition::PassThrough,
             EventAction::CallFinished { reason } => {
                 let call = Some(event.stream.provider_call_id.as_ref());
-                let ids = self.segments_ended_by(&event.stream.message_id, call, sequence);
+                let ids = self.segments_ended_by(message_part(key), call, sequence);
                 self.end_segments(ids, Ending { reason, error: None }, sink);
                 Disposition::PassThrough
             }
@@ -336,11 +276,11 @@ impl StreamTable {
                 Disposition::Applied
             }
             EventAction::Finish { text, reason, error }
-                if event.ends_message() && self.segments.has_message(&event.stream.message_id) =>
+                if event.ends_message() && self.segments.has_message(message_part(key)) =>
             {
                 // An `error` or `interrupt` naming no segment ends every open stream of its
                 // message: segments first, call by call, oldest first.
-                let ids = self.segments_ended_by(&event.stream.message_id, None, sequence);
+                let ids = self.segments_ended_by(message_part(key), None, sequence);
                 if ids.is_empty() {
                     // Every open segment of its message applied later input: the event ended
                     // the message before they opened, and this is its redelivery.
@@ -377,12 +317,13 @@ impl StreamTable {
         }
     }
 
-    /// The open segments of `message_id` (those of `call` and those that named none, or every
-    /// one) that an event ending them at input sequence `sequence` ends: the segments it follows
-    /// in the input. A segment that applied later input opened after the event, which is then a
-    /// redelivery (a first delivery comes in stream order) and must not end it.
-    fn segments_ended_by(&self, message_id: &str, call: Option<&str>, sequence: Option<u64>) -> Vec<Arc<str>> {
-        let mut ids = self.segments.of(message_id, call);
+    /// The open segments of `message` (the [`message_part`] of the event's key: those of `call`
+    /// and those that named none, or every one) that an event ending them at input sequence
+    /// `sequence` ends: the segments it follows in the input. A segment that applied later input
+    /// opened after the event, which is then a redelivery (a first delivery comes in stream
+    /// order) and must not end it.
+    fn segments_ended_by(&self, message: &str, call: Option<&str>, sequence: Option<u64>) -> Vec<Arc<str>> {
+        let mut ids = self.segments.of(message, call);
         if let Some(sequence) = sequence {
             ids.retain(|id| self.streams.get(id).is_some_and(|open| open.last_input < sequence));
         }
@@ -558,13 +499,8 @@ impl StreamTable {
         opened(&span);
         let key: Arc<str> = key.into();
         let header = StreamHeader::new(&event.stream, key.clone(), Vocabulary::of(&event.kind));
-        let message_id = event.stream.message_id.as_ref();
-        let segment_of = event.stream.own_stream_id().map(|_| {
-            let provider_call = event.stream.provider_call_id.as_ref().into();
-            let of = Box::new(SegmentOf { message_id: message_id.into(), provider_call });
-            self.segments.add(&of, &key);
-            of
-        });
+        let segment_of_call =
+            event.stream.own_stream_id().map(|_| self.segments.add(&key, &event.stream.provider_call_id));
         let open = OpenStream {
             state: StreamState::new(),
             header,
@@ -572,15 +508,15 @@ impl StreamTable {
             span,
             last_input: 0,
             partition,
-            segment_of,
+            segment_of_call,
         };
         self.streams.insert(key, open);
     }
 
     /// Takes stream `id`, no longer open, off the list of segments.
     fn delist(&mut self, id: &str, open: &OpenStream) {
-        if let Some(of) = &open.segment_of {
-            self.segments.remove(of, id);
+        if let Some(call) = &open.segment_of_call {
+            self.segments.remove(id, call);
         }
     }
 
@@ -783,6 +719,25 @@ mod tests {
         t.apply(&uncorrelated("error", "quiet"), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
         assert_eq!(finals(&out), vec![error("quiet")]);
         assert_eq!(t.len(), 1, "only the other message's segment is open");
+    }
+
+    #[test]
+    fn a_message_ending_finds_its_segments_by_its_escaped_id_whatever_slashes_the_ids_hold() {
+        let mut t = table(10);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        // Keys `a/b/c` and `a%2Fb/c`: the segments are found by the key's part before its first
+        // slash, which is the message id escaped.
+        for (message, seg) in [("a", "b/c"), ("a/b", "c")] {
+            t.apply(&segment(message, seg), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+        }
+        for (message, ended) in [("a/b", "a%2Fb/c"), ("a", "a/b/c")] {
+            out.clear();
+            t.apply(&uncorrelated("error", message), UNSEQUENCED, now, &mut |p| out.push(p), &mut |_| {});
+            assert_eq!(t.take_closed(), vec![Box::from(ended)], "the error of {message}");
+        }
+        assert_eq!(finals(&out), vec![("b/c".to_owned(), "error".to_owned(), "boom".to_owned())]);
+        assert!(t.is_empty() && t.segments.is_empty());
     }
 
     #[test]
