@@ -11,7 +11,9 @@
 //! subscription, dispatching what was already delivered), let shards apply what is queued and
 //! close open streams with reason `shutdown`, release held pins (`jetstream.pinned_client`),
 //! flush the publisher, stop the service API and the HTTP server. Telemetry is shut down last by
-//! the caller.
+//! the caller. A shutdown that runs out of time stops the dispatchers and workers still running
+//! where they are (as a crash would: JetStream delivers what they held again to the next owner),
+//! then releases the pins they held, so that a standby need not wait out `pinned_ttl_ms`.
 
 mod input;
 
@@ -95,8 +97,14 @@ pub enum ServiceError {
 pub struct RunningService {
     client: async_nats::Client,
     cancel: CancellationToken,
-    dispatchers: Vec<JoinHandle<Option<input::PinRelease>>>,
+    /// Dispatchers still running: shutdown takes each off once it has ended, so that one that
+    /// times out finds here what is left to stop.
+    dispatchers: Vec<JoinHandle<()>>,
+    /// Pins the dispatchers held when they stopped pulling, released at the end of shutdown.
+    stopped_pins: input::StoppedPins,
     shards: Option<Arc<ShardSet<Envelope>>>,
+    /// The shards once every dispatcher has ended, while they drain at shutdown.
+    draining: Option<ShardSet<Envelope>>,
     api: Option<async_nats::service::Service>,
     status: Option<JoinHandle<()>>,
     http: Option<(std::net::SocketAddr, JoinHandle<()>)>,
@@ -255,6 +263,7 @@ impl RunningService {
             Arc::new(ShardSet::start(settings, |_| (table(), sink_template.clone())))
         });
         let mut dispatchers = Vec::new();
+        let stopped_pins = input::StoppedPins::default();
         for (_, source) in sources {
             let route = match &shards {
                 Some(shards) => input::Route::Shards(shards.clone()),
@@ -274,6 +283,7 @@ impl RunningService {
                 cancel: cancel.clone(),
                 ownership: ownership.clone(),
                 readiness: readiness.clone(),
+                stopped_pins: stopped_pins.clone(),
             };
             dispatchers.push(tokio::spawn(dispatcher.run()));
         }
@@ -295,7 +305,9 @@ impl RunningService {
             client,
             cancel,
             dispatchers,
+            stopped_pins,
             shards,
+            draining: None,
             api: Some(api),
             status: Some(status),
             http,
@@ -346,30 +358,73 @@ impl RunningService {
             }
             Err(_) => {
                 tracing::error!(?timeout, "shutdown timed out; open streams may not have been closed");
+                self.stop_at_once().await;
                 Err(ServiceError::ShutdownTimeout(timeout))
             }
+        }
+    }
+
+    /// After a shutdown that timed out: stops the dispatchers and shard workers still running
+    /// where they are, as a crash would (what they held is neither published nor acknowledged;
+    /// JetStream delivers it again to the partition's next owner), then releases the pins the
+    /// dispatchers held. Released while a worker could still acknowledge, a standby could read
+    /// the same events from the ack floor and publish their outputs a second time; left held, a
+    /// pin lapses only after `pinned_ttl_ms`. Each step is bounded by [`STOP_AT_ONCE_GRACE`].
+    async fn stop_at_once(&mut self) {
+        for dispatcher in &self.dispatchers {
+            dispatcher.abort();
+        }
+        if let Some(status) = self.status.take() {
+            status.abort();
+        }
+        let stopped = async {
+            for dispatcher in self.dispatchers.drain(..) {
+                // Cancelled, or ended before the abort reached it.
+                let _ = dispatcher.await;
+            }
+            // Every dispatcher has ended: the shard set is no longer shared, if it was not taken.
+            if let Some(shards) = self.shards.take().and_then(|shards| Arc::try_unwrap(shards).ok()) {
+                self.draining = Some(shards);
+            }
+            if let Some(shards) = &mut self.draining {
+                shards.abort().await;
+            }
+        };
+        if tokio::time::timeout(STOP_AT_ONCE_GRACE, stopped).await.is_err() {
+            tracing::error!("tasks did not stop when told to; held pins lapse after pinned_ttl_ms");
+            return;
+        }
+        let pins = std::mem::take(&mut *self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let release = futures::future::join_all(pins.into_iter().map(input::PinRelease::release));
+        if tokio::time::timeout(STOP_AT_ONCE_GRACE, release).await.is_err() {
+            tracing::warn!("releasing the pins timed out; they lapse after pinned_ttl_ms");
         }
     }
 
     async fn stop_in_order(&mut self) {
         self.readiness.set_subscribed(false);
         self.cancel.cancel();
-        let mut releases = Vec::new();
-        for dispatcher in self.dispatchers.drain(..) {
-            if let Ok(Some(release)) = dispatcher.await {
-                releases.push(release);
+        while let Some(dispatcher) = self.dispatchers.first_mut() {
+            if let Err(e) = dispatcher.await {
+                tracing::error!(error = %e, "dispatcher failed");
             }
+            self.dispatchers.remove(0);
         }
         // Every dispatcher has ended, so this is the last reference to the shard set.
         if let Some(shards) = self.shards.take() {
             match Arc::try_unwrap(shards) {
-                Ok(shards) => shards.shutdown().await,
+                Ok(shards) => self.draining = Some(shards),
                 Err(_) => tracing::error!("shard set still referenced at shutdown"),
             }
         }
+        if let Some(shards) = &mut self.draining {
+            shards.drain().await;
+        }
+        self.draining = None;
         // Only now, with every queued event processed and its acks sent on this connection (which
         // the server reads in order), may a standby take the pins over.
-        futures::future::join_all(releases.into_iter().map(input::PinRelease::release)).await;
+        let pins = std::mem::take(&mut *self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        futures::future::join_all(pins.into_iter().map(input::PinRelease::release)).await;
         // Not a flush: it only hands the outputs to the socket, and closing a socket that holds
         // unread input (events still arriving, anything the server sent) makes the kernel reset
         // the connection and discard what it has not sent yet. The server's answer to a request
@@ -388,6 +443,10 @@ impl RunningService {
 
 /// How long the HTTP endpoint's open connections may take to end at shutdown.
 const HTTP_STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// After a shutdown timed out, how long the tasks told to stop may take to end, and then the pins'
+/// release.
+const STOP_AT_ONCE_GRACE: Duration = Duration::from_secs(1);
 
 /// Binds the HTTP endpoint's listener on `listen` (`HOST:PORT`), with the address it got.
 async fn bind(listen: &str) -> Result<(tokio::net::TcpListener, std::net::SocketAddr), ServiceError> {

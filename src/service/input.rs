@@ -278,6 +278,11 @@ fn check_pull_max_bytes(cfg: &crate::config::JetStreamConfig, max_payload: usize
     )))
 }
 
+/// The pins a replica's dispatchers held when they stopped pulling, for the service to release at
+/// the end of its shutdown (each dispatcher adds its own as it stops, so that a shutdown that
+/// times out while a dispatcher still drains its own shard finds it here).
+pub type StoppedPins = Arc<std::sync::Mutex<Vec<PinRelease>>>;
+
 /// The priority group every replica pulls a pinned-client partition consumer through.
 const PRIORITY_GROUP: &str = "sink";
 
@@ -292,8 +297,8 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 /// Used only once every shard has drained: events already handed to a shard are processed,
 /// published and acknowledged here. Released before, the standby would read them from the ack
 /// floor too and publish their outputs a second time, which only a deduplicating downstream
-/// stream hides. (A shutdown that times out before leaves the pin to lapse after
-/// `pinned_ttl_ms`, as after a crash.)
+/// stream hides. A shutdown that times out first stops every task that could still acknowledge
+/// (as a crash would), then releases the pin.
 pub struct PinRelease {
     stream: stream::Stream,
     consumer: String,
@@ -1156,15 +1161,17 @@ pub struct Dispatcher {
     pub ownership: Arc<Ownership>,
     /// Told when a shard worker is found stopped (liveness).
     pub readiness: Arc<crate::http::Readiness>,
+    /// Where it leaves the pin it held when it stopped pulling.
+    pub stopped_pins: StoppedPins,
 }
 
 impl Dispatcher {
     /// Runs until the source ends or shutdown; at shutdown a core subscription is drained and
     /// what it delivered is dispatched; a JetStream source simply stops (unacknowledged events
-    /// are delivered again to whoever consumes the partition next) and hands back its pin's
-    /// release if it holds one, for the caller to use once every shard has drained. An owned
-    /// shard is finished last.
-    pub async fn run(mut self) -> Option<PinRelease> {
+    /// are delivered again to whoever consumes the partition next) and leaves its pin's release,
+    /// if it holds one, in [`Dispatcher::stopped_pins`], for the caller to use once every shard
+    /// has drained. An owned shard is finished last.
+    pub async fn run(mut self) {
         loop {
             let input = {
                 // Outside the wait, so that an expiry tick does not drop it: a JetStream source's
@@ -1190,7 +1197,7 @@ impl Dispatcher {
             let Some(input) = input else { break };
             let Some(input) = input else {
                 self.finish().await;
-                return None;
+                return;
             };
             self.take(input).await;
             // What the source already holds is taken without another round of `select!`, at most
@@ -1200,16 +1207,17 @@ impl Dispatcher {
                     Some(Some(input)) => self.take(input).await,
                     Some(None) => {
                         self.finish().await;
-                        return None;
+                        return;
                     }
                     None => break,
                 }
             }
         }
-        let release = match &mut self.source {
-            Source::JetStream(source) => source.stop(),
-            Source::Core(_) => None,
-        };
+        if let Source::JetStream(source) = &mut self.source {
+            if let Some(release) = source.stop() {
+                self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(release);
+            }
+        }
         if let Source::Core(subscriber) = &mut self.source {
             // async-nats' `drain` forgets the subscription on its next poll without waiting for
             // the server's PONG, so messages the server had already sent but the client had not
@@ -1247,7 +1255,6 @@ impl Dispatcher {
             }
         }
         self.finish().await;
-        release
     }
 
     /// No more input: an owned shard closes (or abandons) its streams and flushes.

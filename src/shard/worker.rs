@@ -370,12 +370,33 @@ impl<E: Send + Sync + 'static> ShardSet<E> {
 
     /// Closes the inboxes and waits for every worker to finish its queue, close its streams and
     /// flush.
-    pub async fn shutdown(self) {
-        drop(self.inboxes);
-        for worker in self.workers {
+    pub async fn shutdown(mut self) {
+        self.drain().await;
+    }
+
+    /// [`ShardSet::shutdown`] in place: a worker leaves the set once it has finished, so that a
+    /// drain cut short (a shutdown that timed out) leaves the others to [`ShardSet::abort`].
+    pub async fn drain(&mut self) {
+        self.inboxes.clear();
+        while let Some(worker) = self.workers.first_mut() {
             if let Err(e) = worker.await {
                 tracing::error!(error = %e, "shard worker failed");
             }
+            self.workers.remove(0);
+        }
+    }
+
+    /// Stops the workers still running where they are, as a crash would: what they hold is
+    /// neither published nor acknowledged (JetStream delivers it again to the partition's next
+    /// owner). Returns once they have stopped.
+    pub async fn abort(&mut self) {
+        self.inboxes.clear();
+        for worker in &self.workers {
+            worker.abort();
+        }
+        for worker in self.workers.drain(..) {
+            // Cancelled, or ended before the abort reached it.
+            let _ = worker.await;
         }
     }
 }

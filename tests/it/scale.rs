@@ -980,6 +980,62 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
     assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
 }
 
+/// A shutdown that runs out of time (here while the shard workers work through their queues)
+/// stops them where they are, as a crash would, and only then releases the pin: a standby takes
+/// the partition over at once instead of after `pinned_ttl_ms`, and reads from the ack floor what
+/// the stopped workers left unacknowledged. Before, the timed-out shutdown left the workers
+/// running (acknowledging on) and the pin held until it lapsed.
+#[tokio::test]
+async fn a_shutdown_that_times_out_stops_its_workers_then_releases_the_pin() {
+    let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
+    if lacks_priority_groups(&server).await {
+        return;
+    }
+    let mut config = one_partition_config(&server.url());
+    config.jetstream.pinned_client = true;
+    config.shards.count = 2;
+    config.shards.inbox_capacity = 4_096;
+    RunningService::start(config.clone()).await.unwrap().shutdown().await.unwrap();
+    let (_client, js, _out) = downstream(&server.url()).await;
+    let events = conversation(20, 500);
+    publish_inputs(&js, &events, 0..events.len()).await;
+
+    let watcher = async_nats::connect(server.url()).await.unwrap();
+    let mut seen = watcher.subscribe("$JS.>").await.unwrap();
+    watcher.flush().await.unwrap();
+    // Far less than the queued events take.
+    config.service.shutdown_timeout_ms = 50;
+    let mut service = Some(RunningService::start(config).await.unwrap());
+    let mut stopping: Option<tokio::task::JoinHandle<Result<(), _>>> = None;
+    let (mut acks, mut acks_after_unpin, mut unpins) = (0, 0, 0);
+    loop {
+        let quiet = Duration::from_secs(if stopping.is_some() { 3 } else { 60 });
+        let message = match tokio::time::timeout(quiet, seen.next()).await {
+            Ok(Some(message)) => message,
+            _ if stopping.as_ref().is_some_and(|stopping| !stopping.is_finished()) => continue,
+            _ => break,
+        };
+        let subject = message.subject.as_str();
+        if subject.starts_with("$JS.ACK.") {
+            acks += 1;
+            acks_after_unpin += usize::from(unpins > 0);
+            if acks == 2_500 {
+                stopping = service.take().map(|service| tokio::spawn(service.shutdown()));
+            }
+        } else if subject.starts_with("$JS.API.CONSUMER.UNPIN.") {
+            unpins += 1;
+        }
+    }
+    let stopped = stopping.expect("stopped while acknowledging").await.unwrap();
+    assert!(
+        matches!(stopped, Err(structured_sink::service::ServiceError::ShutdownTimeout(_))),
+        "the shutdown timed out: {stopped:?}"
+    );
+    assert_eq!(unpins, 1, "the pin released once");
+    assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
+    assert!(acks < events.len(), "the workers were stopped before they acknowledged everything: {acks}");
+}
+
 /// `jetstream.pinned_client` against the usual test server (the pinned-client tests take
 /// `NATS_SERVER_PINNED_BIN` when set): refused at start-up when it is older than 2.11, accepted
 /// otherwise.
