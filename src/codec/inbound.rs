@@ -104,7 +104,8 @@ pub struct StreamIdentity<'a> {
     /// The stream id (see the module documentation).
     pub stream_id: Cow<'a, str>,
     /// Whether the message id holds `%` or `/`, which [`StreamIdentity::key`] escapes (found by
-    /// the scan that checks the id, so that no event scans it again).
+    /// the scan that checks the id, so that no event scans it again). An identity built by hand
+    /// must set it to match its message id.
     pub message_id_escapes: bool,
     /// `meta.session_id`, or `meta.run_id` from older producers.
     pub session_id: Cow<'a, str>,
@@ -139,6 +140,14 @@ impl StreamIdentity<'_> {
     /// Written into `scratch` unless it is the message id as it stands (so a key costs no
     /// allocation once `scratch` has grown to fit).
     pub fn key<'s>(&'s self, scratch: &'s mut String) -> &'s str {
+        // `decode` sets the flag from its scan; an identity built by hand must set it too, or two
+        // streams could share a key. Checked where it costs nothing (debug builds, the tests).
+        debug_assert_eq!(
+            self.message_id_escapes,
+            self.message_id.contains(['%', '/']),
+            "message_id_escapes disagrees with the message id {:?}",
+            self.message_id
+        );
         let own = self.own_stream_id();
         if own.is_none() && !self.message_id_escapes {
             return &self.message_id;
