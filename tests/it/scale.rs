@@ -924,15 +924,56 @@ async fn a_pinned_consumer_takes_changed_settings_at_restart() {
 /// `jetstream.pinned_client`: a replica stopped gracefully releases its pin only once its shards
 /// have drained. Released first, as it was, the events still queued for its shard workers were
 /// processed and acknowledged after a standby could take the partition over, and the standby,
-/// reading the partition from the ack floor, published their outputs a second time.
-///
-/// A watcher sees the replica's acknowledgements and its unpin request in the order the server
-/// read them from the replica's connection: none of the acknowledgements may come after it.
+/// reading the partition from the ack floor, published their outputs a second time: none of the
+/// acknowledgements may come after the unpin request.
 #[tokio::test]
 async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
+    let Some(stop) = stop_while_acknowledging(None).await else { return };
+    stop.stopped.unwrap();
+    assert_eq!(stop.unpins, 1, "the pin released once");
+    assert!(stop.acks > 2_500, "events acknowledged while stopping: {}", stop.acks);
+    assert_eq!(stop.acks_after_unpin, 0, "acknowledgements after the pin was released");
+}
+
+/// A shutdown that runs out of time (here while the shard workers work through their queues)
+/// stops them where they are, as a crash would, and only then releases the pin: a standby takes
+/// the partition over at once instead of after `pinned_ttl_ms`, and reads from the ack floor what
+/// the stopped workers left unacknowledged. Before, the timed-out shutdown left the workers
+/// running (acknowledging on) and the pin held until it lapsed.
+#[tokio::test]
+async fn a_shutdown_that_times_out_stops_its_workers_then_releases_the_pin() {
+    // Far less than the queued events take.
+    let Some(stop) = stop_while_acknowledging(Some(50)).await else { return };
+    assert!(
+        matches!(stop.stopped, Err(structured_sink::service::ServiceError::ShutdownTimeout(_))),
+        "the shutdown timed out: {:?}",
+        stop.stopped
+    );
+    assert_eq!(stop.unpins, 1, "the pin released once");
+    assert_eq!(stop.acks_after_unpin, 0, "acknowledgements after the pin was released");
+    assert!(stop.acks < stop.events, "the workers were stopped before they acknowledged everything: {}", stop.acks);
+}
+
+/// What a watcher of the server's JetStream traffic saw of a replica stopped while it worked
+/// through a backlog.
+struct StopSeen {
+    stopped: Result<(), structured_sink::service::ServiceError>,
+    /// Events in the backlog.
+    events: usize,
+    acks: usize,
+    acks_after_unpin: usize,
+    unpins: usize,
+}
+
+/// Starts a pinned-client replica (two shard workers) on a backlog of 10,000 events and shuts it
+/// down (within `shutdown_timeout_ms`, when given) once it has acknowledged 2,500, while its
+/// shard inboxes still hold events; `None` on a server without priority groups. A watcher sees
+/// the replica's acknowledgements and its unpin request in the order the server read them from
+/// the replica's connection.
+async fn stop_while_acknowledging(shutdown_timeout_ms: Option<u64>) -> Option<StopSeen> {
     let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
     if lacks_priority_groups(&server).await {
-        return;
+        return None;
     }
     let mut config = one_partition_config(&server.url());
     config.jetstream.pinned_client = true;
@@ -950,6 +991,9 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
     let watcher = async_nats::connect(server.url()).await.unwrap();
     let mut seen = watcher.subscribe("$JS.>").await.unwrap();
     watcher.flush().await.unwrap();
+    if let Some(ms) = shutdown_timeout_ms {
+        config.service.shutdown_timeout_ms = ms;
+    }
     let mut service = Some(RunningService::start(config).await.unwrap());
     let mut stopping: Option<tokio::task::JoinHandle<Result<(), _>>> = None;
     let (mut acks, mut acks_after_unpin, mut unpins) = (0, 0, 0);
@@ -974,66 +1018,8 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
             unpins += 1;
         }
     }
-    stopping.expect("stopped while acknowledging").await.unwrap().unwrap();
-    assert_eq!(unpins, 1, "the pin released once");
-    assert!(acks > 2_500, "events acknowledged while stopping: {acks}");
-    assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
-}
-
-/// A shutdown that runs out of time (here while the shard workers work through their queues)
-/// stops them where they are, as a crash would, and only then releases the pin: a standby takes
-/// the partition over at once instead of after `pinned_ttl_ms`, and reads from the ack floor what
-/// the stopped workers left unacknowledged. Before, the timed-out shutdown left the workers
-/// running (acknowledging on) and the pin held until it lapsed.
-#[tokio::test]
-async fn a_shutdown_that_times_out_stops_its_workers_then_releases_the_pin() {
-    let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
-    if lacks_priority_groups(&server).await {
-        return;
-    }
-    let mut config = one_partition_config(&server.url());
-    config.jetstream.pinned_client = true;
-    config.shards.count = 2;
-    config.shards.inbox_capacity = 4_096;
-    RunningService::start(config.clone()).await.unwrap().shutdown().await.unwrap();
-    let (_client, js, _out) = downstream(&server.url()).await;
-    let events = conversation(20, 500);
-    publish_inputs(&js, &events, 0..events.len()).await;
-
-    let watcher = async_nats::connect(server.url()).await.unwrap();
-    let mut seen = watcher.subscribe("$JS.>").await.unwrap();
-    watcher.flush().await.unwrap();
-    // Far less than the queued events take.
-    config.service.shutdown_timeout_ms = 50;
-    let mut service = Some(RunningService::start(config).await.unwrap());
-    let mut stopping: Option<tokio::task::JoinHandle<Result<(), _>>> = None;
-    let (mut acks, mut acks_after_unpin, mut unpins) = (0, 0, 0);
-    loop {
-        let quiet = Duration::from_secs(if stopping.is_some() { 3 } else { 60 });
-        let message = match tokio::time::timeout(quiet, seen.next()).await {
-            Ok(Some(message)) => message,
-            _ if stopping.as_ref().is_some_and(|stopping| !stopping.is_finished()) => continue,
-            _ => break,
-        };
-        let subject = message.subject.as_str();
-        if subject.starts_with("$JS.ACK.") {
-            acks += 1;
-            acks_after_unpin += usize::from(unpins > 0);
-            if acks == 2_500 {
-                stopping = service.take().map(|service| tokio::spawn(service.shutdown()));
-            }
-        } else if subject.starts_with("$JS.API.CONSUMER.UNPIN.") {
-            unpins += 1;
-        }
-    }
     let stopped = stopping.expect("stopped while acknowledging").await.unwrap();
-    assert!(
-        matches!(stopped, Err(structured_sink::service::ServiceError::ShutdownTimeout(_))),
-        "the shutdown timed out: {stopped:?}"
-    );
-    assert_eq!(unpins, 1, "the pin released once");
-    assert_eq!(acks_after_unpin, 0, "acknowledgements after the pin was released");
-    assert!(acks < events.len(), "the workers were stopped before they acknowledged everything: {acks}");
+    Some(StopSeen { stopped, events: events.len(), acks, acks_after_unpin, unpins })
 }
 
 /// `jetstream.pinned_client` against the usual test server (the pinned-client tests take
