@@ -277,6 +277,29 @@ mod tests {
     }
 
     #[test]
+    fn many_calls_keep_their_order_once_hashed() {
+        let mut index = Segments::default();
+        let calls: Vec<String> = (0..2 * FEW).map(|n| format!("call-{n}")).collect();
+        // Two segments per call, opened call after call, then one that named no call.
+        for (n, call) in calls.iter().enumerate() {
+            for s in 0..2 {
+                index.add(&format!("m/{n}.{s}").as_str().into(), call);
+            }
+        }
+        index.add(&"m/none".into(), "");
+        let mut expected: Vec<String> = (0..2 * FEW).flat_map(|n| [format!("m/{n}.0"), format!("m/{n}.1")]).collect();
+        expected.push("m/none".into());
+        assert_eq!(keys(index.of("m", None)), expected);
+        assert_eq!(keys(index.of("m", Some("call-11"))), ["m/11.0", "m/11.1", "m/none"]);
+        // A call emptied leaves; the others keep their order.
+        index.remove("m/3.0", "call-3");
+        index.remove("m/3.1", "call-3");
+        expected.retain(|key| !key.starts_with("m/3."));
+        assert_eq!(keys(index.of("m", None)), expected);
+        assert!(index.of("m", Some("call-3")).iter().all(|key| &**key == "m/none"));
+    }
+
+    #[test]
     fn many_segments_keep_their_order_once_hashed_and_leave_in_any_order() {
         let mut index = Segments::default();
         let names: Vec<String> = (0..3 * FEW).map(|n| format!("m/{n}")).collect();
@@ -294,5 +317,65 @@ mod tests {
             index.remove(name, "A");
         }
         assert!(index.is_empty());
+    }
+
+    proptest::proptest! {
+        /// Against a model that keeps every list in a vector, whatever the sizes: any mix of
+        /// segments opening and closing, over messages with more calls and segments than a short
+        /// listing holds, finds the same segments in the same order.
+        #[test]
+        fn the_index_finds_what_a_list_of_lists_finds(
+            ops in proptest::collection::vec((0..3u8, 0..12u8, proptest::bool::ANY, 0..64usize), 1..300),
+        ) {
+            type Model = Vec<(String, Vec<(String, Vec<String>)>)>;
+            fn model_of(model: &Model, message: &str, call: Option<&str>) -> Vec<String> {
+                let Some((_, calls)) = model.iter().find(|(m, _)| m == message) else { return Vec::new() };
+                let listed = |call: &str| calls.iter().filter(|(c, _)| c == call).flat_map(|(_, s)| s.clone()).collect::<Vec<_>>();
+                match call {
+                    Some(call) if !call.is_empty() => [listed(call), listed("")].concat(),
+                    _ => calls.iter().flat_map(|(_, s)| s.clone()).collect(),
+                }
+            }
+            let mut index = Segments::default();
+            let mut model: Model = Vec::new();
+            let mut open: Vec<(String, String)> = Vec::new();
+            for (n, (message, call, opens, pick)) in ops.into_iter().enumerate() {
+                let (message, call) = (format!("m{message}"), if call == 0 { String::new() } else { format!("c{call}") });
+                if opens || open.is_empty() {
+                    let key = format!("{message}/s{n}");
+                    index.add(&key.as_str().into(), &call);
+                    let at = model.iter().position(|(m, _)| *m == message).unwrap_or_else(|| {
+                        model.push((message.clone(), Vec::new()));
+                        model.len() - 1
+                    });
+                    let calls = &mut model[at].1;
+                    match calls.iter_mut().find(|(c, _)| *c == call) {
+                        Some((_, segments)) => segments.push(key.clone()),
+                        None => calls.push((call.clone(), vec![key.clone()])),
+                    }
+                    open.push((key, call.clone()));
+                } else {
+                    let (key, call) = open.remove(pick % open.len());
+                    index.remove(&key, &call);
+                    let message = message_part(&key);
+                    let at = model.iter().position(|(m, _)| m == message).unwrap();
+                    let calls = &mut model[at].1;
+                    let c = calls.iter().position(|(c, _)| *c == call).unwrap();
+                    calls[c].1.retain(|k| *k != key);
+                    if calls[c].1.is_empty() {
+                        calls.remove(c);
+                    }
+                    if calls.is_empty() {
+                        model.remove(at);
+                    }
+                }
+                for message in ["m0", "m1", "m2"] {
+                    proptest::prop_assert_eq!(index.has_message(message), model.iter().any(|(m, _)| m == message));
+                    for call in [None, Some(""), Some("c1"), Some(call.as_str())] {
+                        proptest::prop_assert_eq!(keys(index.of(message, call)), model_of(&model, message, call));
+                    }
+                }
+            }
+        }
     }
 }
