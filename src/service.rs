@@ -367,7 +367,9 @@ impl RunningService {
     /// After a shutdown that timed out: stops the dispatchers and shard workers still running
     /// where they are, as a crash would (what they held is neither published nor acknowledged;
     /// JetStream delivers it again to the partition's next owner), then releases the pins the
-    /// dispatchers held. Released while a worker could still acknowledge, a standby could read
+    /// dispatchers held when they stopped pulling (one stopped before it got that far, held up
+    /// by full shard inboxes, leaves its pin to lapse). Released while a worker could still
+    /// acknowledge, a standby could read
     /// the same events from the ack floor and publish their outputs a second time; left held, a
     /// pin lapses only after `pinned_ttl_ms`. Each step is bounded by [`STOP_AT_ONCE_GRACE`].
     async fn stop_at_once(&mut self) {
