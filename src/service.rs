@@ -369,9 +369,9 @@ impl RunningService {
     /// JetStream delivers it again to the partition's next owner), then releases the pins the
     /// dispatchers held when they stopped pulling (one stopped before it got that far, held up
     /// by full shard inboxes, leaves its pin to lapse). Released while a worker could still
-    /// acknowledge, a standby could read
-    /// the same events from the ack floor and publish their outputs a second time; left held, a
-    /// pin lapses only after `pinned_ttl_ms`. Each step is bounded by [`STOP_AT_ONCE_GRACE`].
+    /// acknowledge, a standby could read the same events from the ack floor and publish their
+    /// outputs a second time; left held, a pin lapses only after `pinned_ttl_ms`. Each step is
+    /// bounded by [`STOP_AT_ONCE_GRACE`].
     async fn stop_at_once(&mut self) {
         for dispatcher in &self.dispatchers {
             dispatcher.abort();
