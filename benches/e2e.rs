@@ -1461,8 +1461,10 @@ fn report(
     let _ = writeln!(
         out,
         "Machine: {}. nats-server {server_version} on 127.0.0.1; producer and subscriber (each on its own \
-         thread and client), service (or relay) and server share the machine. Release build.\n",
-        machine()
+         thread and client), service (or relay) and server share the machine. {}\n",
+        machine(),
+        // `cargo test` runs this bench unoptimised, as a smoke test.
+        if cfg!(debug_assertions) { "Debug build: the figures are not comparable." } else { "Release build." }
     );
     let [f, b, t, tl] = workload.by_subject;
     let _ = writeln!(
