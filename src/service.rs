@@ -100,8 +100,8 @@ pub struct RunningService {
     /// Dispatchers still running: shutdown takes each off once it has ended, so that one that
     /// times out finds here what is left to stop.
     dispatchers: Vec<JoinHandle<()>>,
-    /// Pins the dispatchers held when they stopped pulling, released at the end of shutdown.
-    stopped_pins: input::StoppedPins,
+    /// Pins the partition consumers hold, released at the end of shutdown.
+    held_pins: input::HeldPins,
     shards: Option<Arc<ShardSet<Envelope>>>,
     /// The shards once every dispatcher has ended, while they drain at shutdown.
     draining: Option<ShardSet<Envelope>>,
@@ -241,7 +241,8 @@ impl RunningService {
         if config.partitions.mode == crate::config::PartitionMode::Subject && config.partitions.verify_mapping {
             input::verify_mapping(&client, &ownership).await?;
         }
-        let sources = input::open_sources(&client, &config, &ownership).await?;
+        let held_pins = input::HeldPins::default();
+        let sources = input::open_sources(&client, &config, &ownership, &held_pins).await?;
         // Everything that can refuse to start does so before any input is consumed: a start that
         // fails must not leave tasks behind that consume (and acknowledge) input, nor a service
         // API that answers for a service that is not there. (Sources consume nothing until their
@@ -263,7 +264,6 @@ impl RunningService {
             Arc::new(ShardSet::start(settings, |_| (table(), sink_template.clone())))
         });
         let mut dispatchers = Vec::new();
-        let stopped_pins = input::StoppedPins::default();
         for (_, source) in sources {
             let route = match &shards {
                 Some(shards) => input::Route::Shards(shards.clone()),
@@ -283,7 +283,6 @@ impl RunningService {
                 cancel: cancel.clone(),
                 ownership: ownership.clone(),
                 readiness: readiness.clone(),
-                stopped_pins: stopped_pins.clone(),
             };
             dispatchers.push(tokio::spawn(dispatcher.run()));
         }
@@ -305,7 +304,7 @@ impl RunningService {
             client,
             cancel,
             dispatchers,
-            stopped_pins,
+            held_pins,
             shards,
             draining: None,
             api: Some(api),
@@ -366,12 +365,12 @@ impl RunningService {
 
     /// After a shutdown that timed out: stops the dispatchers and shard workers still running
     /// where they are, as a crash would (what they held is neither published nor acknowledged;
-    /// JetStream delivers it again to the partition's next owner), then releases the pins the
-    /// dispatchers held when they stopped pulling (one stopped before it got that far, held up
-    /// by full shard inboxes, leaves its pin to lapse). Released while a worker could still
-    /// acknowledge, a standby could read the same events from the ack floor and publish their
-    /// outputs a second time; left held, a pin lapses only after `pinned_ttl_ms`. Each step is
-    /// bounded by [`STOP_AT_ONCE_GRACE`].
+    /// JetStream delivers it again to the partition's next owner), then releases the pins held.
+    /// Released while a worker could still acknowledge, a standby could read the same events from
+    /// the ack floor and publish their outputs a second time; left held, a pin lapses only after
+    /// `pinned_ttl_ms`. (A stopped input task's pull subscription ends with it, before the
+    /// release on the same connection, so the server cannot pin the partition to it again.) Each
+    /// step is bounded by [`STOP_AT_ONCE_GRACE`].
     async fn stop_at_once(&mut self) {
         for dispatcher in &self.dispatchers {
             dispatcher.abort();
@@ -396,8 +395,8 @@ impl RunningService {
             tracing::error!("tasks did not stop when told to; held pins lapse after pinned_ttl_ms");
             return;
         }
-        let pins = std::mem::take(&mut *self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        let release = futures::future::join_all(pins.into_iter().map(input::PinRelease::release));
+        let release =
+            futures::future::join_all(input::take_held(&self.held_pins).into_iter().map(input::PinRelease::release));
         if tokio::time::timeout(STOP_AT_ONCE_GRACE, release).await.is_err() {
             tracing::warn!("releasing the pins timed out; they lapse after pinned_ttl_ms");
         }
@@ -425,8 +424,7 @@ impl RunningService {
         self.draining = None;
         // Only now, with every queued event processed and its acks sent on this connection (which
         // the server reads in order), may a standby take the pins over.
-        let pins = std::mem::take(&mut *self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-        futures::future::join_all(pins.into_iter().map(input::PinRelease::release)).await;
+        futures::future::join_all(input::take_held(&self.held_pins).into_iter().map(input::PinRelease::release)).await;
         // Not a flush: it only hands the outputs to the socket, and closing a socket that holds
         // unread input (events still arriving, anything the server sent) makes the kernel reset
         // the connection and discard what it has not sent yet. The server's answer to a request

@@ -278,10 +278,17 @@ fn check_pull_max_bytes(cfg: &crate::config::JetStreamConfig, max_payload: usize
     )))
 }
 
-/// The pins a replica's dispatchers held when they stopped pulling, for the service to release at
-/// the end of its shutdown (each dispatcher adds its own as it stops, so that a shutdown that
-/// times out while a dispatcher still drains its own shard finds it here).
-pub type StoppedPins = Arc<std::sync::Mutex<Vec<PinRelease>>>;
+/// The pins this replica's partition consumers hold, by consumer name: added when a delivery
+/// shows a new pin, taken off when the pin is found gone. Shared with the service, which releases
+/// those still held at the end of its shutdown, also when it had to stop an input task before that
+/// task stopped pulling (a shutdown that timed out).
+pub type HeldPins = Arc<std::sync::Mutex<std::collections::BTreeMap<String, PinRelease>>>;
+
+/// Takes every pin out of `held`, for release.
+pub fn take_held(held: &HeldPins) -> Vec<PinRelease> {
+    let mut held = held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    std::mem::take(&mut *held).into_values().collect()
+}
 
 /// The priority group every replica pulls a pinned-client partition consumer through.
 const PRIORITY_GROUP: &str = "sink";
@@ -299,6 +306,7 @@ const STANDBY_DELAY: Duration = Duration::from_secs(1);
 /// floor too and publish their outputs a second time, which only a deduplicating downstream
 /// stream hides. A shutdown that times out first stops every task that could still acknowledge
 /// (as a crash would), then releases the pin.
+#[derive(Clone)]
 pub struct PinRelease {
     stream: stream::Stream,
     consumer: String,
@@ -339,15 +347,30 @@ struct Pinned {
     /// owner uses for its own outputs, acks that let the ack floor pass streams the new owner still
     /// has open), or go on from the middle after a takeover read.
     lost: bool,
+    /// Where the pin held here is published for the service, and what releases it.
+    held: HeldPins,
+    release: PinRelease,
 }
 
 impl Pinned {
+    /// A delivery came under `pin`, new here: any pin held before is gone (see [`Pinned::lose`]).
+    fn take_pin(&mut self, pin: String) {
+        self.lose();
+        self.pin = Some(pin);
+        self.held_pins().insert(self.release.consumer.clone(), self.release.clone());
+    }
+
     /// The pin held here, if any, is gone: remembered as such, and the dispatcher is to be told.
     fn lose(&mut self) {
         if let Some(old) = self.pin.take() {
+            self.held_pins().remove(&self.release.consumer);
             self.gone = Some(old);
             self.lost = true;
         }
+    }
+
+    fn held_pins(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, PinRelease>> {
+        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -456,6 +479,7 @@ pub async fn open_sources(
     client: &async_nats::Client,
     config: &Config,
     ownership: &Ownership,
+    held_pins: &HeldPins,
 ) -> Result<Vec<(String, Source)>, ServiceError> {
     let subjects: Vec<String> = match config.partitions.mode {
         PartitionMode::Subject => ownership.partitions().into_iter().map(|p| ownership.partition_subject(p)).collect(),
@@ -472,7 +496,7 @@ pub async fn open_sources(
         }
         return Ok(sources);
     }
-    open_consumers(client, config, ownership, subjects).await
+    open_consumers(client, config, ownership, subjects, held_pins).await
 }
 
 /// The first server version with pinned-client priority groups.
@@ -499,6 +523,7 @@ async fn open_consumers(
     config: &Config,
     ownership: &Ownership,
     subjects: Vec<String>,
+    held_pins: &HeldPins,
 ) -> Result<Vec<(String, Source)>, ServiceError> {
     let js = jetstream::new(client.clone());
     let cfg = &config.jetstream;
@@ -536,7 +561,7 @@ async fn open_consumers(
         )));
     }
     if cfg.pinned_client {
-        return open_pinned_consumers(client, config, ownership, &stream).await;
+        return open_pinned_consumers(client, config, ownership, &stream, held_pins).await;
     }
     let mut sources = Vec::new();
     // (partition, consumer name, filter subject)
@@ -622,6 +647,7 @@ async fn open_pinned_consumers(
     config: &Config,
     ownership: &Ownership,
     stream: &stream::Stream,
+    held_pins: &HeldPins,
 ) -> Result<Vec<(String, Source)>, ServiceError> {
     use jetstream::consumer::PriorityPolicy;
     let cfg = &config.jetstream;
@@ -678,7 +704,9 @@ async fn open_pinned_consumers(
             }
         };
         tracing::info!(consumer = %name, %subject, owner = is_owner, "consuming as a pinned-client group member");
-        let pinned = Pinned { ttl, expires: ttl / 3, pin: None, gone: None, lost: false };
+        let release = PinRelease { stream: stream.clone(), consumer: name.clone() };
+        let held = held_pins.clone();
+        let pinned = Pinned { ttl, expires: ttl / 3, pin: None, gone: None, lost: false, held, release };
         let open_at = (!is_owner).then(|| tokio::time::Instant::now() + STANDBY_DELAY);
         // Shared: what it delivered went to whichever replica held the pin.
         let recovery = Recovery::new(stream, &subject, partition, None);
@@ -820,11 +848,10 @@ impl JetStreamSource {
                             // Sent before the pin moved, read only now: the new owner has it.
                             continue;
                         }
-                        if pin.is_some() && pin != pinned.pin {
+                        if let Some(pin) = pin.filter(|pin| pinned.pin.as_ref() != Some(pin)) {
                             // A pin held before is gone: its streams are given up (the loop tells
                             // the dispatcher first) before the takeover read rebuilds them.
-                            pinned.lose();
-                            pinned.pin = pin;
+                            pinned.take_pin(pin);
                             new_pin = true;
                         }
                     }
@@ -932,13 +959,11 @@ impl JetStreamSource {
         self.recovery.loss = Some(Loss { revealed: None, handled_through: self.recovery.seen_through });
     }
 
-    /// Shutdown: stops pulling and, for a replica holding the partition's pin, hands back what
-    /// releases it (see [`PinRelease`]).
-    fn stop(&mut self) -> Option<PinRelease> {
+    /// Shutdown: stops pulling. A pin held stays in [`HeldPins`] for the service to release once
+    /// every shard has drained.
+    fn stop(&mut self) {
         // Stop pulling first, or the server could pin this replica's waiting pull request again.
         self.messages = None;
-        self.pinned.as_ref().and_then(|p| p.pin.as_ref())?;
-        Some(PinRelease { stream: self.recovery.stream.clone(), consumer: self.consumer.cached_info().name.clone() })
     }
 
     /// Opens the pull stream, retrying until it opens; tells once when the consumer is gone.
@@ -1161,16 +1186,14 @@ pub struct Dispatcher {
     pub ownership: Arc<Ownership>,
     /// Told when a shard worker is found stopped (liveness).
     pub readiness: Arc<crate::http::Readiness>,
-    /// Where it leaves the pin it held when it stopped pulling.
-    pub stopped_pins: StoppedPins,
 }
 
 impl Dispatcher {
     /// Runs until the source ends or shutdown; at shutdown a core subscription is drained and
     /// what it delivered is dispatched; a JetStream source simply stops (unacknowledged events
-    /// are delivered again to whoever consumes the partition next) and leaves its pin's release,
-    /// if it holds one, in [`Dispatcher::stopped_pins`], for the caller to use once every shard
-    /// has drained. An owned shard is finished last.
+    /// are delivered again to whoever consumes the partition next); the pin it holds, if any,
+    /// stays in [`HeldPins`] for the caller to release once every shard has drained. An owned
+    /// shard is finished last.
     pub async fn run(mut self) {
         loop {
             let input = {
@@ -1214,9 +1237,7 @@ impl Dispatcher {
             }
         }
         if let Source::JetStream(source) = &mut self.source {
-            if let Some(release) = source.stop() {
-                self.stopped_pins.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(release);
-            }
+            source.stop();
         }
         if let Source::Core(subscriber) = &mut self.source {
             // async-nats' `drain` forgets the subscription on its next poll without waiting for

@@ -928,7 +928,7 @@ async fn a_pinned_consumer_takes_changed_settings_at_restart() {
 /// acknowledgements may come after the unpin request.
 #[tokio::test]
 async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
-    let Some(stop) = stop_while_acknowledging(None).await else { return };
+    let Some(stop) = stop_while_acknowledging(None, 4_096).await else { return };
     stop.stopped.unwrap();
     assert_eq!(stop.unpins, 1, "the pin released once");
     assert!(stop.acks > 2_500, "events acknowledged while stopping: {}", stop.acks);
@@ -942,8 +942,11 @@ async fn a_graceful_shutdown_releases_the_pin_after_the_last_acknowledgement() {
 /// running (acknowledging on) and the pin held until it lapsed.
 #[tokio::test]
 async fn a_shutdown_that_times_out_stops_its_workers_then_releases_the_pin() {
-    // Far less than the queued events take.
-    let Some(stop) = stop_while_acknowledging(Some(50)).await else { return };
+    // Far less than the queued events take, and than the input task, blocked on full shard
+    // inboxes, takes to see the shutdown: it is stopped while it holds the pin, which is released
+    // all the same. (Before it was recorded on delivery, the pin was handed over only by an input
+    // task that had stopped pulling, and this one never did.)
+    let Some(stop) = stop_while_acknowledging(Some(1), 4).await else { return };
     assert!(
         matches!(stop.stopped, Err(structured_sink::service::ServiceError::ShutdownTimeout(_))),
         "the shutdown timed out: {:?}",
@@ -965,12 +968,13 @@ struct StopSeen {
     unpins: usize,
 }
 
-/// Starts a pinned-client replica (two shard workers) on a backlog of 10,000 events and shuts it
-/// down (within `shutdown_timeout_ms`, when given) once it has acknowledged 2,500, while its
-/// shard inboxes still hold events; `None` on a server without priority groups. A watcher sees
+/// Starts a pinned-client replica (two shard workers, each with an inbox of `inbox_capacity`
+/// events) on a backlog of 10,000 events and shuts it down (within `shutdown_timeout_ms`, when
+/// given) once it has acknowledged 2,500, while its shard inboxes still hold events; `None` on a
+/// server without priority groups. A watcher sees
 /// the replica's acknowledgements and its unpin request in the order the server read them from
 /// the replica's connection.
-async fn stop_while_acknowledging(shutdown_timeout_ms: Option<u64>) -> Option<StopSeen> {
+async fn stop_while_acknowledging(shutdown_timeout_ms: Option<u64>, inbox_capacity: usize) -> Option<StopSeen> {
     let server = NatsServer::builder().priority_groups().config(mapping(1)).start();
     if lacks_priority_groups(&server).await {
         return None;
@@ -978,7 +982,7 @@ async fn stop_while_acknowledging(shutdown_timeout_ms: Option<u64>) -> Option<St
     let mut config = one_partition_config(&server.url());
     config.jetstream.pinned_client = true;
     config.shards.count = 2;
-    config.shards.inbox_capacity = 4_096;
+    config.shards.inbox_capacity = inbox_capacity;
     // A first start creates the input stream and the consumer; the events wait for the second.
     RunningService::start(config.clone()).await.unwrap().shutdown().await.unwrap();
     // Outputs stored downstream: an event's acknowledgement waits for its outputs' confirmations,
