@@ -368,9 +368,10 @@ impl RunningService {
     /// JetStream delivers it again to the partition's next owner), then releases the pins held.
     /// Released while a worker could still acknowledge, a standby could read the same events from
     /// the ack floor and publish their outputs a second time; left held, a pin lapses only after
-    /// `pinned_ttl_ms`. (A stopped input task's pull subscription ends with it, before the
-    /// release on the same connection, so the server cannot pin the partition to it again.) Each
-    /// step is bounded by [`STOP_AT_ONCE_GRACE`].
+    /// `pinned_ttl_ms`. (A stopped input task's pull stream ends with it: async-nats sends its
+    /// unsubscription at once, ahead of the release on the same connection unless the client's
+    /// command queue is full, as on the graceful path.) Each step is bounded by
+    /// [`STOP_AT_ONCE_GRACE`].
     async fn stop_at_once(&mut self) {
         for dispatcher in &self.dispatchers {
             dispatcher.abort();
