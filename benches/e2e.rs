@@ -27,7 +27,8 @@
 //!   forwards the producer's `Bench-Event: <index>` header unchanged, which identifies the event
 //!   directly; the service never copies it.
 //! * Phases, each with a fresh system under test: idle-stream memory (service only, first, so that
-//!   freed workload memory cannot hide growth), then per round relay and service at maximum rate,
+//!   freed workload memory cannot hide growth; in `--mode jetstream` each idle stream also holds
+//!   its first event's acknowledgement), then per round relay and service at maximum rate,
 //!   then service and relay paced at half the service's maximum rate. Maximum rate is a closed
 //!   loop: the producer publishes as fast as it can while at most `--window` expected outputs are
 //!   outstanding (below the 65,536-message client buffers, so nothing is dropped); the rate is
@@ -1303,7 +1304,13 @@ struct MemoryResult {
 
 async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) -> Result<MemoryResult> {
     let n = args.idle_streams;
-    let running = start_system(System::Service, Mode::Core, StorageType::File, config, admin, false).await?;
+    let mut config = config.clone();
+    if args.mode == Mode::JetStream {
+        // Each idle stream holds its first event unacknowledged until it ends: room for all.
+        let pending = i64::try_from(n).unwrap_or(i64::MAX).saturating_mul(2).max(100_000);
+        jetstream_config(&mut config, Some(pending));
+    }
+    let running = start_system(System::Service, args.mode, StorageType::File, &config, admin, false).await?;
     let service = running.service().expect("a service");
     let producer = connect(&config.nats, "bench-idle-producer", Arc::new(AtomicU64::new(0))).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1675,12 +1682,13 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         per_10k_mib = mib(delta) * 10_000.0 / m.streams.max(1) as f64;
         let _ = writeln!(
             out,
-            "\n### Open idle streams\n\n{} streams ({}), one 6-byte delta each and no final (streams_open reached {} \
-             in {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
+            "\n### Open idle streams\n\n{} streams ({}, {} input), one 6-byte delta each and no final (streams_open \
+             reached {} in {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
              per 10,000 streams | per stream | projected for 100,000 |\n|---|---|---|---|---|---|\n| {:.1} MiB | {:.1} \
              MiB | {:.1} MiB | {:.2} MiB | {:.0} B | {:.0} MiB |\n",
             m.streams,
             if args.idle_canonical { "canonical segments, `--idle-canonical`" } else { "legacy `partial`s" },
+            if args.mode == Mode::JetStream { "JetStream: each holds its first event's acknowledgement" } else { "core NATS" },
             m.open,
             m.seconds,
             mib(m.rss_before_kib),
@@ -1811,7 +1819,7 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
     );
 
     // Idle streams first, before the workload exists (freed memory would hide the growth).
-    let memory = if args.mode == Mode::Core && args.idle_streams > 0 {
+    let memory = if args.idle_streams > 0 {
         eprintln!("idle streams: opening {} ...", args.idle_streams);
         let m = idle_streams(args, &config, &admin).await?;
         eprintln!(
