@@ -1682,13 +1682,17 @@ Not measured: the service did not complete a maximum-rate phase.\n"
         per_10k_mib = mib(delta) * 10_000.0 / m.streams.max(1) as f64;
         let _ = writeln!(
             out,
-            "\n### Open idle streams\n\n{} streams ({}, {} input), one 6-byte delta each and no final (streams_open \
+            "\n### Open idle streams\n\n{} streams ({}, {}), one 6-byte delta each and no final (streams_open \
              reached {} in {:.1} s), in a fresh service started first in this process.\n\n| VmRSS before | VmRSS after | growth | \
              per 10,000 streams | per stream | projected for 100,000 |\n|---|---|---|---|---|---|\n| {:.1} MiB | {:.1} \
              MiB | {:.1} MiB | {:.2} MiB | {:.0} B | {:.0} MiB |\n",
             m.streams,
             if args.idle_canonical { "canonical segments, `--idle-canonical`" } else { "legacy `partial`s" },
-            if args.mode == Mode::JetStream { "JetStream: each holds its first event's acknowledgement" } else { "core NATS" },
+            if args.mode == Mode::JetStream {
+                "JetStream input: each holds its first event's acknowledgement"
+            } else {
+                "core NATS input"
+            },
             m.open,
             m.seconds,
             mib(m.rss_before_kib),
