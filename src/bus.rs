@@ -2,7 +2,7 @@
 //!
 //! This module owns everything that knows about NATS itself: the operator's connection
 //! settings ([`NatsConfig`], with secrets masked for printing), building an `async_nats`
-//! client from them ([`connect`]: authentication of each kind, TLS, reconnect backoff, buffer
+//! client from them ([`connect()`]: authentication of each kind, TLS, reconnect backoff, buffer
 //! sizes), turning the client's connection events into our own [`ConnectionEvent`] (logged
 //! here, counted by whoever passes the callback), header values built without async-nats'
 //! per-character scan ([`header_value`]), and the errors of this boundary ([`BusError`]).

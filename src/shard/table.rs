@@ -10,7 +10,7 @@
 //! event for one of them is reported instead of starting a new stream whose sequence numbers
 //! would repeat. An `error` or `interrupt` event that names no segment ends every open stream of
 //! its message, and `provider-call-finished` the open segments of its call: the
-//! [`Segments`] index finds them. It knows nothing of tokio, NATS or wire bytes.
+//! `Segments` index finds them. It knows nothing of tokio, NATS or wire bytes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

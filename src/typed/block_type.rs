@@ -59,7 +59,7 @@ impl BlockType {
     }
 
     /// Converts a parsed payload into the message, failing on the first problem with an error
-    /// naming the field path (the rules are in the [`convert`](super::convert) module doc).
+    /// naming the field path (the rules are in the [`convert`] module doc).
     pub fn convert(&self, value: &serde_json::Value) -> Result<DynamicMessage, ConversionError> {
         convert::convert(&self.descriptor, value, Mode::Strict, self.max_depth)
     }
