@@ -576,25 +576,66 @@ type FastMap<K, V> = HashMap<K, V, hashlink::DefaultHashBuilder>;
 /// A lower-sequence message that arrives later (after a takeover, the previous owner's anchor
 /// is redelivered after messages this replica already anchored on) is held as well, so a stream
 /// holds a few entries at most, lowest last.
+///
+/// An open stream's entry shares the stream table's copy of its key and keeps its anchor inline:
+/// a copied key and a one-entry `Vec` cost two allocations and about 100 bytes per open stream
+/// (BENCHMARKS.md, thirty-sixth session).
 #[derive(Default)]
-struct HeldAcks(FastMap<Box<str>, Vec<(u64, Subject)>>);
+struct HeldAcks(FastMap<Arc<str>, Held>);
+
+/// One stream's held acks (sequence and reply subject), lowest sequence last.
+enum Held {
+    /// Its anchor alone: almost always (a lower message arrives later only at a takeover).
+    Anchor((u64, Subject)),
+    Several(Vec<(u64, Subject)>),
+}
+
+impl Held {
+    fn entries(&mut self) -> &mut [(u64, Subject)] {
+        match self {
+            Held::Anchor(entry) => std::slice::from_mut(entry),
+            Held::Several(entries) => entries,
+        }
+    }
+
+    fn push(&mut self, entry: (u64, Subject)) {
+        *self = match std::mem::replace(self, Held::Several(Vec::new())) {
+            Held::Anchor(anchor) => Held::Several(vec![anchor, entry]),
+            Held::Several(mut entries) => {
+                entries.push(entry);
+                Held::Several(entries)
+            }
+        };
+    }
+
+    fn into_replies(self) -> impl Iterator<Item = Subject> {
+        let (anchor, others) = match self {
+            Held::Anchor(anchor) => (Some(anchor), Vec::new()),
+            Held::Several(entries) => (None, entries),
+        };
+        anchor.into_iter().chain(others).map(|(_, reply)| reply)
+    }
+}
 
 impl HeldAcks {
     /// Takes the ack of stream `key`'s message at `sequence`: held when no lower message of the
     /// stream is (a redelivery of a held message replaces its reply subject: the ack goes to the
-    /// latest delivery); otherwise handed back, to be sent now.
-    fn hold(&mut self, key: &str, sequence: u64, reply: Subject) -> Option<Subject> {
+    /// latest delivery); otherwise handed back, to be sent now. `shared` is the stream table's
+    /// copy of the key, when it has one, kept instead of a copy.
+    fn hold(&mut self, key: &str, shared: Option<&Arc<str>>, sequence: u64, reply: Subject) -> Option<Subject> {
         // Looked up before inserting: an entry would need an owned key for every event.
         let Some(held) = self.0.get_mut(key) else {
-            self.0.insert(key.into(), vec![(sequence, reply)]);
+            debug_assert!(shared.is_none_or(|shared| shared.as_ref() == key), "another stream's key");
+            self.0.insert(shared.map_or_else(|| Arc::from(key), Arc::clone), Held::Anchor((sequence, reply)));
             return None;
         };
-        if let Some(entry) = held.iter_mut().find(|(s, _)| *s == sequence) {
+        let entries = held.entries();
+        if let Some(entry) = entries.iter_mut().find(|(s, _)| *s == sequence) {
             entry.1 = reply;
             return None;
         }
         // Entries are pushed only below every held one, so the last is the lowest.
-        if held.last().is_some_and(|(lowest, _)| sequence < *lowest) {
+        if entries.last().is_some_and(|(lowest, _)| sequence < *lowest) {
             held.push((sequence, reply));
             return None;
         }
@@ -608,7 +649,7 @@ impl HeldAcks {
 
     /// The reply subjects of stream `key`'s held acks; none are held for it afterwards.
     fn take(&mut self, key: &str) -> impl Iterator<Item = Subject> {
-        self.0.remove(key).unwrap_or_default().into_iter().map(|(_, reply)| reply)
+        self.0.remove(key).into_iter().flat_map(Held::into_replies)
     }
 }
 
@@ -1008,7 +1049,7 @@ impl ShardSink for NatsSink {
         InputPosition { partition: envelope.partition, sequence: envelope.sequence }
     }
 
-    async fn applied(&mut self, key: &str, envelope: Envelope, standing: Standing) {
+    async fn applied(&mut self, key: &str, shared: Option<&Arc<str>>, envelope: Envelope, standing: Standing) {
         // Once per event, whatever number of outputs it had (all of them are handed over now).
         self.metrics.observe_event_latency(envelope.received.elapsed());
         let (Some(reply), Some(sequence)) = (envelope.ack, envelope.sequence) else { return };
@@ -1024,7 +1065,7 @@ impl ShardSink for NatsSink {
             self.send_ack(reply).await;
             return;
         }
-        if let Some(reply) = self.held.hold(key, sequence, reply) {
+        if let Some(reply) = self.held.hold(key, shared, sequence, reply) {
             self.send_ack(reply).await;
         }
     }
@@ -1334,27 +1375,44 @@ mod tests {
     fn only_each_streams_lowest_message_is_held_and_the_rest_are_acknowledged_at_once() {
         let mut held = HeldAcks::default();
         let ack = |text: String| Some(Subject::from(text));
-        assert_eq!(held.hold("a", 1, Subject::from("ack.1.first")), None, "the first message is held");
+        assert_eq!(held.hold("a", None, 1, Subject::from("ack.1.first")), None, "the first message is held");
         for sequence in 2..=1000 {
             let reply = format!("ack.{sequence}.first");
-            assert_eq!(held.hold("a", sequence, Subject::from(reply.clone())), ack(reply), "acknowledged at once");
+            assert_eq!(
+                held.hold("a", None, sequence, Subject::from(reply.clone())),
+                ack(reply),
+                "acknowledged at once"
+            );
         }
         // A redelivery of the held message replaces its reply subject; one of another is
         // acknowledged again.
-        assert_eq!(held.hold("a", 1, Subject::from("ack.1.again")), None);
-        assert_eq!(held.hold("a", 500, Subject::from("ack.500.again")), ack("ack.500.again".into()));
+        assert_eq!(held.hold("a", None, 1, Subject::from("ack.1.again")), None);
+        assert_eq!(held.hold("a", None, 500, Subject::from("ack.500.again")), ack("ack.500.again".into()));
         // After a takeover the previous owner's anchor (lower) comes after this replica's: held
         // too, and messages between the two are acknowledged.
-        assert_eq!(held.hold("b", 5, Subject::from("ack.b.5")), None);
-        assert_eq!(held.hold("b", 3, Subject::from("ack.b.3")), None);
-        assert_eq!(held.hold("b", 4, Subject::from("ack.b.4")), ack("ack.b.4".into()));
-        assert_eq!(held.hold("b", 5, Subject::from("ack.b.5.again")), None);
+        assert_eq!(held.hold("b", None, 5, Subject::from("ack.b.5")), None);
+        assert_eq!(held.hold("b", None, 3, Subject::from("ack.b.3")), None);
+        assert_eq!(held.hold("b", None, 4, Subject::from("ack.b.4")), ack("ack.b.4".into()));
+        assert_eq!(held.hold("b", None, 5, Subject::from("ack.b.5.again")), None);
         assert_eq!(taken(&mut held, "a"), ["ack.1.again"]);
         assert!(taken(&mut held, "a").is_empty(), "taken once");
         assert_eq!(taken(&mut held, "b"), ["ack.b.5.again", "ack.b.3"]);
-        held.hold("c", 7, Subject::from("ack.c.7"));
+        held.hold("c", None, 7, Subject::from("ack.c.7"));
         held.forget("c");
         assert!(taken(&mut held, "c").is_empty(), "forgotten acks are never sent");
+    }
+
+    #[test]
+    fn an_open_streams_held_ack_keeps_the_tables_key_and_its_anchor_inline() {
+        let mut held = HeldAcks::default();
+        let key: Arc<str> = Arc::from("m/s");
+        assert_eq!(held.hold("m/s", Some(&key), 1, Subject::from("ack.1")), None);
+        assert_eq!(Arc::strong_count(&key), 2, "shared by the table and the held ack");
+        assert_eq!(held.hold("m/s", Some(&key), 2, Subject::from("ack.2")), Some(Subject::from("ack.2")));
+        assert_eq!(taken(&mut held, "m/s"), ["ack.1"]);
+        assert_eq!(Arc::strong_count(&key), 1, "released with the ack");
+        // A map entry: the key's pointer and length, the anchor's sequence and reply subject.
+        assert_eq!(std::mem::size_of::<(Arc<str>, Held)>(), 56);
     }
 
     #[test]

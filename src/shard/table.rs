@@ -387,6 +387,12 @@ impl StreamTable {
         }
     }
 
+    /// The table's own copy of open stream `key`'s key: a caller that keeps the key while the
+    /// stream is open shares it instead of copying the text.
+    pub fn shared_key(&self, key: &str) -> Option<&Arc<str>> {
+        self.streams.get_key_value(key).map(|(shared, _)| shared)
+    }
+
     /// Whether stream `key` closed since the last [`StreamTable::take_closed`].
     pub fn has_closed(&self, key: &str) -> bool {
         self.closed.iter().any(|closed| closed.as_ref() == key)

@@ -24,6 +24,7 @@
 
 use std::future::Future;
 use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -52,8 +53,16 @@ pub trait ShardSink: Send + 'static {
     fn position(&self, envelope: &Self::Envelope) -> InputPosition;
     /// The event was applied to stream `key` (or was a duplicate of one applied): its outputs are
     /// published. The sink may hold the envelope (to acknowledge it when the stream ends);
-    /// `standing` says whether it can be the lowest input of its stream.
-    fn applied(&mut self, key: &str, envelope: Self::Envelope, standing: Standing) -> impl Future<Output = ()> + Send;
+    /// `standing` says whether it can be the lowest input of its stream. `shared` is the stream
+    /// table's own copy of the key, given when the stream is open and the event may be its lowest
+    /// input: a sink that keeps the key while the stream is open clones it instead of copying it.
+    fn applied(
+        &mut self,
+        key: &str,
+        shared: Option<&Arc<str>>,
+        envelope: Self::Envelope,
+        standing: Standing,
+    ) -> impl Future<Output = ()> + Send;
     /// The stream ended and its last outputs are published.
     fn stream_closed(&mut self, key: &str) -> impl Future<Output = ()> + Send;
     /// The stream was given up without closing it (its input is another replica's now, which
@@ -169,7 +178,13 @@ impl<S: ShardSink> Shard<S> {
                     let cause = (!opening || p.stream_key() == own).then_some(&envelope);
                     sink.publish(p, cause).await;
                 }
-                sink.applied(own, envelope, standing).await;
+                // The table's key only where a sink may keep one: a following event's is never
+                // kept, and a lookup per event would cost one more hash.
+                let shared = match standing {
+                    Standing::Following => None,
+                    Standing::Opened | Standing::Duplicate => table.shared_key(own),
+                };
+                sink.applied(own, shared, envelope, standing).await;
             }
             Ok(Disposition::PassThrough) => {
                 // The last outputs of segments the event ended (`provider-call-finished`), before
@@ -515,8 +530,9 @@ mod tests {
         fn position(&self, envelope: &u32) -> InputPosition {
             InputPosition { partition: *envelope / 1000, sequence: Some(u64::from(*envelope % 1000)) }
         }
-        async fn applied(&mut self, id: &str, envelope: u32, standing: Standing) {
-            self.0.lock().unwrap().push(format!("applied {id} {envelope} {standing:?}"));
+        async fn applied(&mut self, id: &str, shared: Option<&Arc<str>>, envelope: u32, standing: Standing) {
+            let shared = if shared.is_some_and(|shared| shared.as_ref() == id) { " shared" } else { "" };
+            self.0.lock().unwrap().push(format!("applied {id} {envelope} {standing:?}{shared}"));
         }
         fn stream_abandoned(&mut self, id: &str) {
             self.0.lock().unwrap().push(format!("abandoned {id}"));
@@ -620,13 +636,13 @@ mod tests {
         let gone: Vec<&String> = log.iter().filter(|l| l.contains("gone")).collect();
         let expected = [
             "chat.filtered gone:1 Some(1001)",
-            "applied gone 1001 Opened",
+            "applied gone 1001 Opened shared",
             "chat.filtered gone:2 Some(1003)",
             "applied gone 1003 Following",
             "abandoned gone",
             // Opened again: numbered from 1, as the next owner's rebuild would number it.
             "chat.filtered gone:1 Some(1004)",
-            "applied gone 1004 Opened",
+            "applied gone 1004 Opened shared",
             "chat.filtered gone:2 Some(1005)",
             "applied gone 1005 Following",
             "closed gone",
@@ -784,10 +800,10 @@ mod tests {
         set.route(delta("old", "more", 4)).await.unwrap();
         set.shutdown().await;
         let log = log.0.lock().unwrap().clone();
-        assert!(log.contains(&"applied old 1 Opened".to_owned()), "{log:?}");
+        assert!(log.contains(&"applied old 1 Opened shared".to_owned()), "{log:?}");
         assert!(!log.iter().any(|l| l.contains(" old:2 ")), "no final of the broken stream: {log:?}");
         assert!(log.contains(&"closed old".to_owned()), "its held input is released: {log:?}");
-        assert!(log.contains(&"applied new 2 Opened".to_owned()), "{log:?}");
+        assert!(log.contains(&"applied new 2 Opened shared".to_owned()), "{log:?}");
         assert!(!log.iter().any(|l| l.starts_with("dead 2")), "the event that made room is applied: {log:?}");
         let new: Vec<&String> = log.iter().filter(|l| l.contains(" new:")).collect();
         assert_eq!(new.len(), 2, "its delta and its final: {log:?}");
@@ -844,6 +860,8 @@ mod tests {
         assert!(final_of_s < at(&log, "pass 2") && at(&log, "pass 2") < at(&log, "closed m/s"), "{log:?}");
     }
 
+    /// And it is handed the table's own copy of its stream's key when it may be kept: not for a
+    /// following event, nor for a stream that closed at once (the table keeps no key for it).
     #[tokio::test]
     async fn each_applied_event_is_told_whether_it_opened_followed_or_repeated() {
         let log = Recorder::default();
@@ -864,11 +882,11 @@ mod tests {
         let applied: Vec<String> =
             log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect();
         let expected = [
-            "a 10 Opened",
+            "a 10 Opened shared",
             "a 11 Following",
-            "b 12 Opened",
-            "a 11 Duplicate",
-            "a 7 Duplicate",
+            "b 12 Opened shared",
+            "a 11 Duplicate shared",
+            "a 7 Duplicate shared",
             "a 13 Following",
             "a 14 Following",
             "c 15 Opened",
