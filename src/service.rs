@@ -578,7 +578,7 @@ type FastMap<K, V> = HashMap<K, V, hashlink::DefaultHashBuilder>;
 /// holds a few entries at most, lowest last.
 ///
 /// An open stream's entry shares the stream table's copy of its key and keeps its anchor inline:
-/// a copied key and a one-entry `Vec` cost two allocations and about 100 bytes per open stream
+/// a copied key and a one-entry `Vec` cost two allocations and 60 to 140 bytes per open stream
 /// (BENCHMARKS.md, thirty-sixth session).
 #[derive(Default)]
 struct HeldAcks(FastMap<Arc<str>, Held>);
