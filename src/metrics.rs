@@ -141,8 +141,8 @@ label_enum! {
 }
 
 label_enum! {
-    /// What a published message carries (label `kind` of `messages_published_total` and
-    /// `publish_errors_total`).
+    /// What a published message carries (label `kind` of `messages_published_total`,
+    /// `publish_errors_total` and `outputs_republished_total`).
     OutputKind, label = "kind" {
         /// Filtered visible text (`chat.filtered`).
         Filtered => "filtered",
@@ -276,6 +276,11 @@ const MESSAGES_PUBLISHED: MetricDef = MetricDef {
 const PUBLISH_ERRORS: MetricDef = MetricDef {
     name: "publish_errors_total",
     help: "Messages the NATS client refused to publish, by kind.",
+    kind: MetricType::Counter,
+};
+const OUTPUTS_REPUBLISHED: MetricDef = MetricDef {
+    name: "outputs_republished_total",
+    help: "Messages published again because the JetStream stream that stores their subject did not confirm storing them (no leader, a server restart, a full stream), by kind.",
     kind: MetricType::Counter,
 };
 const STREAMS_OPEN: MetricDef =
@@ -459,6 +464,8 @@ pub struct MetricsSnapshot {
     pub messages_published: BTreeMap<&'static str, u64>,
     /// `publish_errors_total` by [`OutputKind`].
     pub publish_errors: BTreeMap<&'static str, u64>,
+    /// `outputs_republished_total` by [`OutputKind`].
+    pub outputs_republished: BTreeMap<&'static str, u64>,
     /// `streams_open`, summed over shards.
     pub streams_open: u64,
     /// `streams_opened_total`.
@@ -509,6 +516,11 @@ impl MetricsSnapshot {
         self.publish_errors.values().sum()
     }
 
+    /// Sum of all messages published again for want of a storage confirmation, whatever the kind.
+    pub fn outputs_republished_total(&self) -> u64 {
+        self.outputs_republished.values().sum()
+    }
+
     /// Sum of all closed streams, whatever the reason.
     pub fn streams_closed_total(&self) -> u64 {
         self.streams_closed.values().sum()
@@ -526,6 +538,7 @@ pub struct Metrics {
     events_dropped: CounterFamily<DropReason>,
     messages_published: CounterFamily<OutputKind>,
     publish_errors: CounterFamily<OutputKind>,
+    outputs_republished: CounterFamily<OutputKind>,
     /// One slot per shard, written only by that shard's worker, summed when read.
     streams_open: Box<[AtomicU64]>,
     streams_opened: Counter,
@@ -561,6 +574,7 @@ impl Metrics {
             events_dropped: CounterFamily::new(),
             messages_published: CounterFamily::new(),
             publish_errors: CounterFamily::new(),
+            outputs_republished: CounterFamily::new(),
             streams_open: (0..shards.max(1)).map(|_| AtomicU64::new(0)).collect(),
             streams_opened: Counter::default(),
             streams_closed: CounterFamily::new(),
@@ -608,6 +622,11 @@ impl Metrics {
     /// Counts one message the NATS client refused.
     pub fn count_publish_error(&self, kind: OutputKind) {
         self.publish_errors.add(kind, 1);
+    }
+
+    /// Counts one message published again because its storage was not confirmed.
+    pub fn count_republished(&self, kind: OutputKind) {
+        self.outputs_republished.add(kind, 1);
     }
 
     /// Sets the number of streams open in shard `shard` (0-based). A shard index beyond the count
@@ -708,6 +727,7 @@ impl Metrics {
             events_dropped: self.events_dropped.snapshot(),
             messages_published: self.messages_published.snapshot(),
             publish_errors: self.publish_errors.snapshot(),
+            outputs_republished: self.outputs_republished.snapshot(),
             streams_open: self.streams_open.iter().map(|slot| slot.load(Ordering::Relaxed)).sum(),
             streams_opened: self.streams_opened.get(),
             streams_closed: self.streams_closed.snapshot(),
@@ -739,6 +759,7 @@ impl Metrics {
         out.family::<DropReason>(EVENTS_DROPPED, &s.events_dropped);
         out.family::<OutputKind>(MESSAGES_PUBLISHED, &s.messages_published);
         out.family::<OutputKind>(PUBLISH_ERRORS, &s.publish_errors);
+        out.family::<OutputKind>(OUTPUTS_REPUBLISHED, &s.outputs_republished);
         out.scalar(STREAMS_OPEN, s.streams_open);
         out.scalar(STREAMS_OPENED, s.streams_opened);
         out.family::<CloseReason>(STREAMS_CLOSED, &s.streams_closed);
@@ -838,13 +859,14 @@ fn escape_help(help: &str) -> String {
 mod tests {
     use super::*;
 
-    const ALL_DEFS: [MetricDef; 23] = [
+    const ALL_DEFS: [MetricDef; 24] = [
         EVENTS_RECEIVED,
         EVENTS_DEAD_LETTERED,
         EVENTS_PASSED_THROUGH,
         EVENTS_DROPPED,
         MESSAGES_PUBLISHED,
         PUBLISH_ERRORS,
+        OUTPUTS_REPUBLISHED,
         STREAMS_OPEN,
         STREAMS_OPENED,
         STREAMS_CLOSED,
@@ -925,6 +947,8 @@ mod tests {
         m.count_published(OutputKind::Filtered);
         m.count_published(OutputKind::Tool);
         m.count_publish_error(OutputKind::DeadLetter);
+        m.count_republished(OutputKind::Block);
+        m.count_republished(OutputKind::Block);
         m.count_streams_opened(3);
         m.count_streams_closed(CloseReason::Expired, 2);
         m.count_captures_overflowed(4);
@@ -949,6 +973,7 @@ mod tests {
         assert_eq!(s.messages_published["filtered"], 2);
         assert_eq!(s.messages_published_total(), 3);
         assert_eq!(s.publish_errors_total(), 1);
+        assert_eq!((s.outputs_republished["block"], s.outputs_republished_total()), (2, 2));
         assert_eq!(s.streams_opened, 3);
         assert_eq!(s.streams_closed["expired"], 2);
         assert_eq!(s.streams_closed_total(), 2);
@@ -967,6 +992,8 @@ mod tests {
         assert_eq!(sample_value(&text, "structured_sink_events_dead_lettered_total{reason=\"missing_type\"}"), "0");
         assert_eq!(sample_value(&text, "structured_sink_messages_published_total{kind=\"filtered\"}"), "2");
         assert_eq!(sample_value(&text, "structured_sink_publish_errors_total{kind=\"dead_letter\"}"), "1");
+        assert_eq!(sample_value(&text, "structured_sink_outputs_republished_total{kind=\"block\"}"), "2");
+        assert_eq!(sample_value(&text, "structured_sink_outputs_republished_total{kind=\"tool\"}"), "0");
         assert_eq!(sample_value(&text, "structured_sink_streams_closed_total{reason=\"expired\"}"), "2");
         assert_eq!(sample_value(&text, "structured_sink_nats_connection_events_total{event=\"disconnected\"}"), "1");
         assert_eq!(sample_value(&text, "structured_sink_shard_inbox_full_total"), "1");

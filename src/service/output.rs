@@ -246,6 +246,8 @@ struct Output {
     subject: Subject,
     headers: HeaderMap,
     payload: Bytes,
+    /// Its metric label.
+    kind: OutputKind,
 }
 
 /// Rounds of publishing unconfirmed outputs again between two error logs (the first rounds are
@@ -375,8 +377,7 @@ impl NatsSink {
             let mut refused = Vec::new();
             let failed = unstored(js, pending, &mut refused).await;
             for output in refused {
-                let type_name = output.headers.get(TYPE_HEADER_NAME).map_or("", |t| t.as_str());
-                self.metrics.count_publish_error(output_kind(type_name));
+                self.metrics.count_publish_error(output.kind);
             }
             let Some((_, error)) = failed.first() else { return true };
             let error = match error.kind() {
@@ -402,6 +403,7 @@ impl NatsSink {
             }
             pending = Vec::with_capacity(failed.len());
             for (output, _) in failed {
+                self.metrics.count_republished(output.kind);
                 let sent = js
                     .publish_with_headers(output.subject.clone(), output.headers.clone(), output.payload.clone())
                     .await;
@@ -518,7 +520,8 @@ impl NatsSink {
                     }
                     return;
                 }
-                self.await_confirmations(vec![Unconfirmed { sent, output: Output { subject, headers, payload } }]).await
+                let output = Output { subject, headers, payload, kind };
+                self.await_confirmations(vec![Unconfirmed { sent, output }]).await
             }
             _ => {
                 self.send(kind, subject, headers, payload).await;
@@ -593,7 +596,7 @@ impl ShardSink for NatsSink {
                 let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
                 // Not retried, it can never be sent: its stream's input is acknowledged as usual.
                 if self.to_confirm(kind, &subject, &sent) {
-                    let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload } };
+                    let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload, kind } };
                     self.unconfirmed.entry(key).or_default().push(unconfirmed);
                     self.unconfirmed_total += 1;
                 }

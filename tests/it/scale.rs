@@ -1181,7 +1181,8 @@ async fn forwarding_replica(
 /// message only (`discard = new`), so the second forwarded event is refused: its input must stay
 /// unacknowledged (it was acknowledged before being published, and lost). Once the stream has
 /// room, the service's retry stores it and the input is acknowledged. Each carries
-/// `Nats-Msg-Id: CHAT_RAW:<input sequence>`, so copies published again are dropped.
+/// `Nats-Msg-Id: CHAT_RAW:<input sequence>`, so copies published again are dropped, and each copy
+/// counts in `outputs_republished_total` under its kind.
 #[tokio::test]
 async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
     let server = NatsServer::builder().config(mapping(8)).start();
@@ -1221,7 +1222,11 @@ async fn forwarded_input_events_are_acknowledged_once_a_stream_stores_them() {
     }
     assert_eq!(input_ack_pending(&input).await, 0, "acknowledged once stored");
     let got = read_all(&mut forwarded, 2).await;
+    // The refused one, published again round after round, is counted under its own kind.
+    let republished = service.metrics().snapshot().outputs_republished;
     service.shutdown().await.unwrap();
+    let forwarded_kinds = republished["dead_letter"] + republished["pass_through"];
+    assert!(forwarded_kinds >= 1 && forwarded_kinds == republished.values().sum::<u64>(), "{republished:?}");
     assert_eq!(got.len(), 2);
     let mut ids: Vec<(String, String)> = got
         .iter()
