@@ -2,8 +2,9 @@
 //! events to NATS, and acknowledges JetStream input: at once for events that leave the pipeline,
 //! and, for text events, only once their stream has ended and (when a stream stores them) its
 //! outputs' storage is confirmed, holding one acknowledgement per open stream (its anchor, see
-//! [`HeldAcks`]). One sink per shard worker, owned by it: nothing here is shared between workers
-//! but the connection, the metrics and the stop signal.
+//! [`HeldAcks`]). It also turns its shard's counters into metrics. One sink per shard worker,
+//! owned by it: nothing here is shared between workers but the connection, the metrics, the stop
+//! signal and whether outputs went unconfirmed after it.
 //!
 //! It knows the service's output contract (subjects, headers, message ids) and JetStream's
 //! acknowledgement and publish-confirmation rules; it does not know where input comes from
@@ -19,9 +20,6 @@ use async_nats::{HeaderMap, HeaderName, Subject};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
-const TYPE_HEADER_NAME: HeaderName = HeaderName::from_static(TYPE_HEADER);
-const CONTENT_TYPE_HEADER: HeaderName = HeaderName::from_static("Content-Type");
-
 use super::{Envelope, ERROR_DETAIL_HEADER, ERROR_HEADER, PAYLOAD_OMITTED_HEADER, SOURCE_SUBJECT_HEADER, TYPE_HEADER};
 use crate::bus;
 use crate::codec::outbound::{payload_bound, OutputEncoder, Publication};
@@ -30,6 +28,9 @@ use crate::metrics::{BlockFailure, CloseReason, DeadLetterReason, DropReason, Me
 use crate::pipeline::PipelineStats;
 use crate::shard::table::{InputPosition, TableStats};
 use crate::shard::worker::{ShardSink, Standing};
+
+const TYPE_HEADER_NAME: HeaderName = HeaderName::from_static(TYPE_HEADER);
+const CONTENT_TYPE_HEADER: HeaderName = HeaderName::from_static("Content-Type");
 
 /// Counters last reported by a shard, to turn totals into increments.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -668,7 +669,9 @@ impl ShardSink for NatsSink {
         // `hold` would have held its first delivery. That is not needed: the stream's first event
         // is still unacknowledged (the previous owner held it), so the ack floor stays below the
         // stream, and it is held here when the server redelivers it (a duplicate).
-        if standing == Standing::Following {
+        // An orphaned repeat has no open stream to anchor (see `Standing::Orphaned`): held, it
+        // would stay so for good, in an entry nothing releases.
+        if matches!(standing, Standing::Following | Standing::Orphaned) {
             self.send_ack(reply).await;
             return;
         }

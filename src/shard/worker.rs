@@ -85,9 +85,13 @@ pub enum Standing {
     /// It followed inputs of its open stream applied here; its input sequence, when it has one,
     /// is above all of theirs. A sink holding a stream's lowest input back need not look at it.
     Following,
-    /// It repeats an input its stream already applied (a redelivery: its input sequence is not
-    /// above the last one applied); it may be lower than any of them.
+    /// It repeats an input its open stream already applied (a redelivery: its input sequence is
+    /// not above the last one applied); it may be lower than any of them.
     Duplicate,
+    /// It repeats an input of a stream that is not open here: the `error` or `interrupt` that
+    /// ended its message, delivered again after segments of the message that followed it opened
+    /// (it ends none of them). No stream of its own can hold it back.
+    Orphaned,
 }
 
 /// One shard: its streams, the sink their outputs go to, and its expiry tick.
@@ -166,10 +170,15 @@ impl<S: ShardSink> Shard<S> {
         };
         match applied {
             Ok(disposition @ (Disposition::Applied | Disposition::Duplicate)) => {
-                let standing = match disposition {
-                    Disposition::Duplicate => Standing::Duplicate,
-                    _ if opening => Standing::Opened,
-                    _ => Standing::Following,
+                // The table's key only where a sink may keep one: a following event's is never
+                // kept, and a lookup per event would cost one more hash.
+                let (standing, shared) = match disposition {
+                    Disposition::Duplicate => match table.shared_key(own) {
+                        Some(shared) => (Standing::Duplicate, Some(shared)),
+                        None => (Standing::Orphaned, None),
+                    },
+                    _ if opening => (Standing::Opened, table.shared_key(own)),
+                    _ => (Standing::Following, None),
                 };
                 for p in outputs.drain(..) {
                     // The last outputs of a stream evicted to make room come first; the event did
@@ -178,12 +187,6 @@ impl<S: ShardSink> Shard<S> {
                     let cause = (!opening || p.stream_key() == own).then_some(&envelope);
                     sink.publish(p, cause).await;
                 }
-                // The table's key only where a sink may keep one: a following event's is never
-                // kept, and a lookup per event would cost one more hash.
-                let shared = match standing {
-                    Standing::Following => None,
-                    Standing::Opened | Standing::Duplicate => table.shared_key(own),
-                };
                 sink.applied(own, shared, envelope, standing).await;
             }
             Ok(Disposition::PassThrough) => {
@@ -891,6 +894,30 @@ mod tests {
             "a 14 Following",
             "c 15 Opened",
         ];
+        assert_eq!(applied, expected.map(|e| format!("applied {e}")));
+    }
+
+    /// An `error` that ended its message, delivered again after a segment of the message that
+    /// followed it opened, ends nothing and has no open stream of its own: orphaned, not a
+    /// duplicate that a sink would hold for a stream.
+    #[tokio::test]
+    async fn a_repeated_message_end_with_no_open_stream_is_orphaned() {
+        let log = Recorder::default();
+        let set = ShardSet::start(settings(1), |_| (table(Duration::from_secs(60)), log.clone()));
+        let segment = |id: &str, envelope| {
+            let json = format!(
+                r#"{{"type":"text-delta","meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{id}"}},"delta":"d"}}"#
+            );
+            event(&json, envelope)
+        };
+        let error = |envelope| event(r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#, envelope);
+        for routed in [segment("s1", 1), error(2), segment("s2", 3), error(2)] {
+            set.route(routed).await.unwrap();
+        }
+        set.shutdown().await;
+        let applied: Vec<String> =
+            log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect();
+        let expected = ["m/s1 1 Opened shared", "m 2 Following", "m/s2 3 Opened shared", "m 2 Orphaned"];
         assert_eq!(applied, expected.map(|e| format!("applied {e}")));
     }
 

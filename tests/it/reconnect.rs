@@ -29,15 +29,17 @@ use crate::scale::{downstream, group, mapping, one_partition_config, publish_inp
 use crate::service::test_config;
 use crate::support::{NatsServer, NatsServerBuilder};
 
-/// One proxied connection: its forwarding task and whether it drops the server's bytes.
+/// One proxied connection: its forwarding task, whether it drops the server's bytes, and whether
+/// it drops the client's JetStream acknowledgements.
 struct Connection {
     discard: Arc<AtomicBool>,
+    drop_acks: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
 /// A TCP proxy on 127.0.0.1 in front of a NATS server. Its connections can be told to discard
 /// everything the server sends (the client sees a silent connection, the server sees its writes
-/// succeed), and cut. Connections accepted after a cut (the client's reconnects) forward
+/// succeed), or the acknowledgements the client sends, and cut. Connections accepted after a cut (the client's reconnects) forward
 /// normally.
 struct Proxy {
     url: String,
@@ -71,9 +73,15 @@ impl Proxy {
                     continue;
                 }
                 let Ok(server) = TcpStream::connect(server).await else { continue };
-                let discard = Arc::new(AtomicBool::new(false));
-                let task = tokio::spawn(forward(client, server, discard.clone(), holding.clone(), delaying.clone()));
-                accepted.lock().unwrap().push(Connection { discard, task });
+                let (discard, drop_acks) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+                let task = tokio::spawn(forward(
+                    client,
+                    server,
+                    [discard.clone(), drop_acks.clone()],
+                    holding.clone(),
+                    delaying.clone(),
+                ));
+                accepted.lock().unwrap().push(Connection { discard, drop_acks, task });
             }
         });
         Proxy { url, connections, refuse, hold, delay, accept }
@@ -104,6 +112,14 @@ impl Proxy {
         }
     }
 
+    /// From now on, the current connections drop the JetStream acknowledgements the client sends
+    /// (publishes to `$JS.ACK.>`); everything else goes through.
+    fn drop_acks(&self) {
+        for connection in self.connections.lock().unwrap().iter() {
+            connection.drop_acks.store(true, Ordering::SeqCst);
+        }
+    }
+
     /// Closes the current connections on both sides (dropping a task drops its sockets).
     fn cut(&self) {
         for connection in self.connections.lock().unwrap().drain(..) {
@@ -120,21 +136,73 @@ impl Drop for Proxy {
 }
 
 /// Copies bytes both ways until either side closes, none while `hold` is set; the server's bytes
-/// only while `discard` is unset.
+/// only while `discard[0]` is unset, the client's acknowledgements only while `discard[1]` is.
 async fn forward(
     client: TcpStream,
     server: TcpStream,
-    discard: Arc<AtomicBool>,
+    discard: [Arc<AtomicBool>; 2],
     hold: Arc<AtomicBool>,
     delay: Arc<AtomicU64>,
 ) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let (never, no_delay) = (AtomicBool::new(false), AtomicU64::new(0));
+    let [discard, drop_acks] = discard;
     tokio::select! {
-        () = pass(&mut client_read, &mut server_write, &never, &hold, &no_delay) => {}
+        () = pass_client(&mut client_read, &mut server_write, &drop_acks, &hold) => {}
         () = pass(&mut server_read, &mut client_write, &discard, &hold, &delay) => {}
     }
+}
+
+/// Copies the client's operations to the server until either closes, whole operations at a time:
+/// publishes to `$JS.ACK.>` are dropped while `drop_acks` is set; waits while `hold` is.
+async fn pass_client(
+    from: &mut (impl tokio::io::AsyncRead + Unpin),
+    to: &mut (impl tokio::io::AsyncWrite + Unpin),
+    drop_acks: &AtomicBool,
+    hold: &AtomicBool,
+) {
+    let mut buffer = vec![0; 64 * 1024];
+    // Bytes read and not yet passed on: an operation cut short by a read's end.
+    let mut pending = Vec::new();
+    loop {
+        while hold.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let n = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buffer[..n]);
+        let passed = whole_operations(&mut pending, drop_acks.load(Ordering::SeqCst));
+        if to.write_all(&passed).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// Takes the whole client operations at the start of `pending` (a line, and for `PUB` and `HPUB`
+/// the payload the line announces), without publishes to `$JS.ACK.>` when `drop_acks`.
+fn whole_operations(pending: &mut Vec<u8>, drop_acks: bool) -> Vec<u8> {
+    let mut passed = Vec::new();
+    while let Some(line_end) = pending.windows(2).position(|w| w == b"\r\n") {
+        let line = &pending[..line_end];
+        let publish = line.starts_with(b"PUB ") || line.starts_with(b"HPUB ");
+        let payload = match publish {
+            // The last token is the payload's size (for HPUB, headers and body together).
+            true => std::str::from_utf8(line).unwrap().rsplit(' ').next().unwrap().parse::<usize>().unwrap() + 2,
+            false => 0,
+        };
+        let end = line_end + 2 + payload;
+        if pending.len() < end {
+            break;
+        }
+        let ack = publish && line.split(|&b| b == b' ').nth(1).is_some_and(|s| s.starts_with(b"$JS.ACK."));
+        if !(ack && drop_acks) {
+            passed.extend_from_slice(&pending[..end]);
+        }
+        pending.drain(..end);
+    }
+    passed
 }
 
 /// Copies bytes from `from` to `to` until either closes: dropped while `discard` is set, waiting
@@ -325,6 +393,70 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order_with(expiry_tic
     let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
     service.shutdown().await.unwrap();
     assert_eq!(got, expected);
+}
+
+/// Message `m` in segments: `s1` opens, an `error` naming no segment ends it with the message,
+/// then `s2` of the same message opens. The replica's acknowledgements are lost from the error on
+/// (the proxy drops them until it cuts the connection), so the server delivers the three events
+/// again after `ack_wait`. The error's redelivery ends nothing (`s2` applied later input) and its own
+/// stream (`m`) is not open: it was held as if it anchored an open stream, in an entry nothing
+/// ever released (one more per such redelivery), and acknowledged only by a delivery after `s2`
+/// had ended (late by then), one `ack_wait` later.
+#[tokio::test]
+async fn a_repeated_message_end_whose_stream_is_not_open_is_acknowledged() {
+    let (server, proxy, mut config) = proxied().await;
+    config.jetstream.ack_wait_ms = 1_000;
+    let service = RunningService::start(config).await.unwrap();
+    let (_client, js, _out) = downstream(&server.url()).await;
+    let segment = |id: &str, rest: &str| {
+        let json = format!(r#"{{"meta":{{"message_id":"m"}},"correlation":{{"segment_id":"{id}"}},{rest}}}"#);
+        ("m".to_owned(), json)
+    };
+    let events = [
+        segment("s1", r#""type":"text-delta","delta":"a ""#),
+        ("m".to_owned(), r#"{"type":"error","meta":{"message_id":"m"},"error_string":"boom"}"#.to_owned()),
+        segment("s2", r#""type":"text-delta","delta":"b ""#),
+        segment("s2", r#""type":"text-segment-finished","text":"b ""#),
+    ];
+    let input = js.get_stream("CHAT_RAW").await.unwrap();
+    let consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+    let received = |count: u64| {
+        let metrics = service.metrics();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while metrics.snapshot().events_received < count && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(metrics.snapshot().events_received >= count, "{count} events received");
+        }
+    };
+    publish_inputs(&js, &events, 0..1).await;
+    received(1).await;
+    proxy.drop_acks();
+    publish_inputs(&js, &events, 1..3).await;
+    received(3).await;
+    // The client reconnects, through a connection that drops nothing.
+    proxy.cut();
+    // Delivered again after `ack_wait`: s1's delta (late, acknowledged), the error, s2's delta.
+    received(6).await;
+    let acknowledged = |floor: u64, pending: usize| {
+        let mut consumer = consumer.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut info = consumer.info().await.unwrap().clone();
+            while (info.ack_floor.stream_sequence, info.num_ack_pending) != (floor, pending)
+                && Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                info = consumer.info().await.unwrap().clone();
+            }
+            (info.ack_floor.stream_sequence, info.num_ack_pending)
+        }
+    };
+    assert_eq!(acknowledged(2, 1).await, (2, 1), "while s2 is open, only its first event is unacknowledged");
+    publish_inputs(&js, &events, 3..4).await;
+    assert_eq!(acknowledged(4, 0).await, (4, 0), "every input acknowledged once s2 ended");
+    service.shutdown().await.unwrap();
 }
 
 /// Stream `m`: "A " is applied; "B ", the last input for now, is delivered into a connection that
