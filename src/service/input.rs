@@ -13,7 +13,7 @@
 //!
 //! JetStream: one durable pull consumer per owned partition, explicit acks; each stream's first
 //! event is acknowledged only once the stream has ended, which keeps the ack floor below every
-//! open stream (see `HeldAcks` in [`super`]). At start-up each consumer is recreated at its ack
+//! open stream (see `HeldAcks` in `output`). At start-up each consumer is recreated at its ack
 //! floor, so that everything above it is delivered again in stream order and the streams that were
 //! open when the previous owner stopped are rebuilt from their first event.
 //!
