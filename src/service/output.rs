@@ -949,9 +949,10 @@ mod tests {
         assert_eq!(held.hold("b", None, 3, Subject::from("ack.b.3")), None);
         assert_eq!(held.hold("b", None, 4, Subject::from("ack.b.4")), ack("ack.b.4".into()));
         assert_eq!(held.hold("b", None, 5, Subject::from("ack.b.5.again")), None);
+        assert_eq!(held.hold("b", None, 2, Subject::from("ack.b.2")), None, "a third, lower still");
         assert_eq!(taken(&mut held, "a"), ["ack.1.again"]);
         assert!(taken(&mut held, "a").is_empty(), "taken once");
-        assert_eq!(taken(&mut held, "b"), ["ack.b.5.again", "ack.b.3"]);
+        assert_eq!(taken(&mut held, "b"), ["ack.b.5.again", "ack.b.3", "ack.b.2"]);
         held.hold("c", None, 7, Subject::from("ack.c.7"));
         held.forget("c");
         assert!(taken(&mut held, "c").is_empty(), "forgotten acks are never sent");
