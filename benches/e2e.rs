@@ -40,6 +40,12 @@
 //!   service output is timed against its event's relay output, which left the producer in the
 //!   same publish and crossed the same hops, so the difference is the service's own added latency
 //!   per event, not a difference of two percentiles from two runs (the smoke run includes one).
+//! * `--store-outputs` (with `--mode jetstream`): a stream (`BENCH_OUT`, fresh for each phase)
+//!   stores the outputs of both systems, the durable set-up end to end. The service then confirms
+//!   each output's storage before it acknowledges the stream's input (it finds the stream by
+//!   itself); the relay does the same for each event, publishing through JetStream and
+//!   acknowledging the input once the storage of its copy is confirmed, with up to
+//!   [`RELAY_UNCONFIRMED`] copies unconfirmed at once.
 //! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
 //!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
 //!   producer runs on its own thread and client, and so does the subscriber: the runtime of the
@@ -117,14 +123,16 @@ struct Args {
     /// How long the producer waits without any output before it stops a phase as stalled
     /// (`--stall-seconds`, default 10; longer to watch whether a stalled system recovers).
     stall: Duration,
+    /// `--mode jetstream`: a stream stores the outputs (`--store-outputs`), see the module doc.
+    store_outputs: bool,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
 [--mode core|jetstream] [--quick] [--idle-streams N (100000)] [--idle-canonical] [--no-completion] [--window N (20000)] \
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
-[--storage file|memory (jetstream; file)] [--worker-threads N (one per CPU)] [--stall-seconds S (10)] \
-[--profile-service | --profile-relay]";
+[--storage file|memory (jetstream; file)] [--store-outputs (jetstream)] [--worker-threads N (one per CPU)] \
+[--stall-seconds S (10)] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -151,6 +159,7 @@ fn parse_args() -> Result<Args> {
         storage: StorageType::File,
         worker_threads: None,
         stall: Duration::from_secs(10),
+        store_outputs: false,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -169,6 +178,7 @@ fn parse_args() -> Result<Args> {
             "--shards" => args.shards = number(a, it.next())?,
             "--quick" => args.quick = true,
             "--idle-canonical" => args.idle_canonical = true,
+            "--store-outputs" => args.store_outputs = true,
             "--no-completion" => args.cumulative = false,
             "--profile-service" => args.profile = Some(System::Service),
             "--profile-relay" => args.profile = Some(System::Relay),
@@ -199,6 +209,9 @@ fn parse_args() -> Result<Args> {
             }
             other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
+    }
+    if args.store_outputs && args.mode != Mode::JetStream {
+        bail!("--store-outputs needs --mode jetstream\n{USAGE}");
     }
     if args.smoke {
         // `cargo test --all-targets` runs bench binaries without `--bench`: a few seconds only.
@@ -643,6 +656,28 @@ async fn fresh_js_stream(
     js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("stream {JS_STREAM}: {e}"))
 }
 
+/// The stream that stores both systems' outputs with `--store-outputs`.
+const JS_OUT_STREAM: &str = "BENCH_OUT";
+
+/// Replaces the outputs' stream (`--store-outputs`) with an empty one of `storage`: the service's
+/// subjects (`chat.>`, which the input subject `chat` is not part of) and the relay's.
+async fn fresh_output_stream(admin: &async_nats::Client, storage: StorageType) -> Result<()> {
+    let js = async_nats::jetstream::new(admin.clone());
+    let _ = js.delete_stream(JS_OUT_STREAM).await;
+    let config = async_nats::jetstream::stream::Config {
+        name: JS_OUT_STREAM.into(),
+        subjects: vec![format!("{INPUT_SUBJECT}.>"), RELAY_OUT.into()],
+        storage,
+        ..Default::default()
+    };
+    js.create_stream(config).await.map_err(|e| anyhow!("stream {JS_OUT_STREAM}: {e}"))?;
+    Ok(())
+}
+
+/// `--store-outputs`: copies the relay publishes through JetStream whose storage it has not yet
+/// awaited; as many as the service awaits at most per worker.
+const RELAY_UNCONFIRMED: usize = 1024;
+
 /// Publish acknowledgements awaited at most at once while filling the stream.
 const PREFILL_IN_FLIGHT: usize = 2048;
 
@@ -684,8 +719,7 @@ async fn prefill(admin: &async_nats::Client, workload: &Workload, storage: Stora
 /// memory stream is created here, before either system, since the service would create a file one.
 async fn start_system(
     system: System,
-    mode: Mode,
-    storage: StorageType,
+    (mode, storage, store_outputs): (Mode, StorageType, bool),
     config: &Config,
     admin: &async_nats::Client,
     prefilled: bool,
@@ -700,8 +734,9 @@ async fn start_system(
     match system {
         System::Paired => {
             // `prefilled`: the stream (JetStream mode) was reset above, once for both.
-            let service = Box::pin(start_system(System::Service, mode, storage, config, admin, true)).await?;
-            let relay = Box::pin(start_system(System::Relay, mode, storage, config, admin, true)).await?;
+            let setup = (mode, storage, store_outputs);
+            let service = Box::pin(start_system(System::Service, setup, config, admin, true)).await?;
+            let relay = Box::pin(start_system(System::Relay, setup, config, admin, true)).await?;
             Ok(Running::Paired(Box::new(service), Box::new(relay)))
         }
         System::Service => {
@@ -761,20 +796,77 @@ async fn start_system(
                         .await
                         .map_err(|e| anyhow!("relay consumer: {e}"))?;
                     let stop = stop.clone();
-                    tokio::spawn(async move {
-                        while let Some(m) = messages.next().await {
-                            if stop.load(Ordering::Relaxed) {
-                                break;
+                    if store_outputs {
+                        tokio::spawn(relay_storing(js, messages, stop))
+                    } else {
+                        tokio::spawn(async move {
+                            while let Some(m) = messages.next().await {
+                                if stop.load(Ordering::Relaxed) {
+                                    break;
+                                }
+                                let Ok(m) = m else { continue };
+                                let headers = m.message.headers.clone().unwrap_or_default();
+                                let _ =
+                                    client.publish_with_headers(RELAY_OUT, headers, m.message.payload.clone()).await;
+                                let _ = m.ack().await;
                             }
-                            let Ok(m) = m else { continue };
-                            let headers = m.message.headers.clone().unwrap_or_default();
-                            let _ = client.publish_with_headers(RELAY_OUT, headers, m.message.payload.clone()).await;
-                            let _ = m.ack().await;
-                        }
-                    })
+                        })
+                    }
                 }
             };
             Ok(Running::Relay { task, stop })
+        }
+    }
+}
+
+/// The JetStream relay of `--store-outputs`: each event's copy is published through JetStream, and
+/// the event acknowledged once the copy's storage is confirmed, oldest first, with at most
+/// [`RELAY_UNCONFIRMED`] unconfirmed (and none left waiting while no event arrives).
+async fn relay_storing(
+    js: async_nats::jetstream::Context,
+    mut messages: async_nats::jetstream::consumer::pull::Stream,
+    stop: Arc<AtomicBool>,
+) {
+    use futures::FutureExt;
+    let mut unconfirmed = std::collections::VecDeque::with_capacity(RELAY_UNCONFIRMED);
+    loop {
+        let next = match unconfirmed.is_empty() {
+            true => messages.next().await,
+            // Confirmations are awaited while no event is ready (the pull stream's `next` loses
+            // nothing when dropped).
+            false => match messages.next().now_or_never() {
+                Some(next) => next,
+                None => {
+                    confirm_oldest(&mut unconfirmed).await;
+                    continue;
+                }
+            },
+        };
+        let Some(m) = next else { break };
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let Ok(m) = m else { continue };
+        let headers = m.message.headers.clone().unwrap_or_default();
+        if let Ok(confirmation) = js.publish_with_headers(RELAY_OUT, headers, m.message.payload.clone()).await {
+            unconfirmed.push_back((confirmation, m));
+        }
+        if unconfirmed.len() >= RELAY_UNCONFIRMED {
+            confirm_oldest(&mut unconfirmed).await;
+        }
+    }
+}
+
+/// Awaits the oldest unconfirmed copy's storage, then acknowledges its event.
+async fn confirm_oldest(
+    unconfirmed: &mut std::collections::VecDeque<(
+        async_nats::jetstream::context::PublishAckFuture,
+        async_nats::jetstream::Message,
+    )>,
+) {
+    if let Some((confirmation, m)) = unconfirmed.pop_front() {
+        if confirmation.await.is_ok() {
+            let _ = m.ack().await;
         }
     }
 }
@@ -1153,6 +1245,9 @@ async fn run_phase(
     if input == Input::Backlog {
         prefill(admin, workload, args.storage).await?;
     }
+    if args.store_outputs {
+        fresh_output_stream(admin, args.storage).await?;
+    }
     let events = workload.order.len() as u64;
     let expected = match system {
         System::Relay => events,
@@ -1180,7 +1275,8 @@ async fn run_phase(
     subscribed.await.map_err(|_| anyhow!("the subscriber stopped before it subscribed"))??;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
     let started_ns = now_ns();
-    let running = start_system(system, args.mode, args.storage, config, admin, input == Input::Backlog).await?;
+    let setup = (args.mode, args.storage, args.store_outputs);
+    let running = start_system(system, setup, config, admin, input == Input::Backlog).await?;
 
     let stats = match input {
         Input::Live => {
@@ -1226,6 +1322,9 @@ async fn run_phase(
     ];
     let snapshot = running.service().map(|s| s.metrics().snapshot());
     running.stop().await?;
+    if args.store_outputs && !(collected.timed_out || stats.aborted) {
+        check_stored(admin, expected + collected.dead_letters).await?;
+    }
 
     let elapsed = (collected.last_ns.saturating_sub(stats.first_ns)) as f64 / 1e9;
     let publish_elapsed = (stats.last_ns.saturating_sub(stats.first_ns)) as f64 / 1e9;
@@ -1261,6 +1360,24 @@ async fn run_phase(
         longest_gap: collected.longest_gap_ns as f64 / 1e9,
         first_output: collected.first_ns.saturating_sub(stats.first_ns) as f64 / 1e9,
     })
+}
+
+/// `--store-outputs`: fails unless the outputs' stream holds exactly `expected` messages (every
+/// output received stored once), waiting up to 10 s for storage still under way.
+async fn check_stored(admin: &async_nats::Client, expected: u64) -> Result<()> {
+    let js = async_nats::jetstream::new(admin.clone());
+    let mut stream = js.get_stream(JS_OUT_STREAM).await.map_err(|e| anyhow!("stream {JS_OUT_STREAM}: {e}"))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stored = stream.info().await.map_err(|e| anyhow!("stream {JS_OUT_STREAM}: {e}"))?.state.messages;
+        if stored == expected {
+            return Ok(());
+        }
+        if stored > expected || Instant::now() > deadline {
+            bail!("stream {JS_OUT_STREAM} stores {stored} outputs, not {expected}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Prints each consumer of the bench stream as the server sees it (to stderr, beside the stall
@@ -1310,7 +1427,7 @@ async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) 
         let pending = i64::try_from(n).unwrap_or(i64::MAX).saturating_mul(2).max(100_000);
         jetstream_config(&mut config, Some(pending));
     }
-    let running = start_system(System::Service, args.mode, StorageType::File, &config, admin, false).await?;
+    let running = start_system(System::Service, (args.mode, StorageType::File, false), &config, admin, false).await?;
     let service = running.service().expect("a service");
     let producer = connect(&config.nats, "bench-idle-producer", Arc::new(AtomicU64::new(0))).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1519,6 +1636,15 @@ fn report(
              `jetstream.pull_batch` = {js_pull_batch}. Relay: a durable \
              pull consumer with the same limit and pull batch that republishes each message and then acks it.\n"
         );
+        if args.store_outputs {
+            let _ = writeln!(
+                out,
+                "Outputs stored (`--store-outputs`): a fresh stream `{JS_OUT_STREAM}` ({storage} storage) over \
+                 `{INPUT_SUBJECT}.>` and `{RELAY_OUT}` per phase. The service confirms each output's storage before \
+                 acknowledging its stream's input; the relay publishes each copy through JetStream and acks the \
+                 event once the copy's storage is confirmed (at most {RELAY_UNCONFIRMED} unconfirmed).\n"
+            );
+        }
     }
     let header =
         "| phase | events in | outputs out | seconds | p50 µs | p99 µs | p99.9 µs | max µs | outputs received |\n\
