@@ -651,9 +651,18 @@ async fn fresh_js_stream(
     admin: &async_nats::Client,
     storage: StorageType,
 ) -> Result<async_nats::jetstream::stream::Stream> {
-    delete_js_stream(admin).await;
+    replace_stream(admin, js_stream_config(storage)).await
+}
+
+/// Replaces the stream `config` names (if any) with an empty one made from `config`.
+async fn replace_stream(
+    admin: &async_nats::Client,
+    config: async_nats::jetstream::stream::Config,
+) -> Result<async_nats::jetstream::stream::Stream> {
     let js = async_nats::jetstream::new(admin.clone());
-    js.create_stream(js_stream_config(storage)).await.map_err(|e| anyhow!("stream {JS_STREAM}: {e}"))
+    let _ = js.delete_stream(&config.name).await;
+    let name = config.name.clone();
+    js.create_stream(config).await.map_err(|e| anyhow!("stream {name}: {e}"))
 }
 
 /// The stream that stores both systems' outputs with `--store-outputs`.
@@ -662,16 +671,13 @@ const JS_OUT_STREAM: &str = "BENCH_OUT";
 /// Replaces the outputs' stream (`--store-outputs`) with an empty one of `storage`: the service's
 /// subjects (`chat.>`, which the input subject `chat` is not part of) and the relay's.
 async fn fresh_output_stream(admin: &async_nats::Client, storage: StorageType) -> Result<()> {
-    let js = async_nats::jetstream::new(admin.clone());
-    let _ = js.delete_stream(JS_OUT_STREAM).await;
     let config = async_nats::jetstream::stream::Config {
         name: JS_OUT_STREAM.into(),
         subjects: vec![format!("{INPUT_SUBJECT}.>"), RELAY_OUT.into()],
         storage,
         ..Default::default()
     };
-    js.create_stream(config).await.map_err(|e| anyhow!("stream {JS_OUT_STREAM}: {e}"))?;
-    Ok(())
+    replace_stream(admin, config).await.map(drop)
 }
 
 /// `--store-outputs`: copies the relay publishes through JetStream whose storage it has not yet

@@ -560,6 +560,11 @@ mod tests {
         log.iter().position(|l| l == line).unwrap_or_else(|| panic!("{line:?} in {log:?}"))
     }
 
+    /// The `applied` lines of `log`, in order.
+    fn applied_lines(log: &Recorder) -> Vec<String> {
+        log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect()
+    }
+
     fn table(idle: Duration) -> StreamTable {
         limited_table(idle, 100)
     }
@@ -882,8 +887,7 @@ mod tests {
             set.route(routed).await.unwrap();
         }
         set.shutdown().await;
-        let applied: Vec<String> =
-            log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect();
+        let applied = applied_lines(&log);
         let expected = [
             "a 10 Opened shared",
             "a 11 Following",
@@ -915,8 +919,7 @@ mod tests {
             set.route(routed).await.unwrap();
         }
         set.shutdown().await;
-        let applied: Vec<String> =
-            log.0.lock().unwrap().iter().filter(|l| l.starts_with("applied ")).cloned().collect();
+        let applied = applied_lines(&log);
         let expected = ["m/s1 1 Opened shared", "m 2 Following", "m/s2 3 Opened shared", "m 2 Orphaned"];
         assert_eq!(applied, expected.map(|e| format!("applied {e}")));
     }

@@ -25,7 +25,9 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
-use crate::scale::{downstream, group, mapping, one_partition_config, publish_inputs, read_all, replayed};
+use crate::scale::{
+    consumer_state, downstream, group, mapping, one_partition_config, publish_inputs, read_all, replayed, settle,
+};
 use crate::service::test_config;
 use crate::support::{NatsServer, NatsServerBuilder};
 
@@ -419,15 +421,12 @@ async fn a_repeated_message_end_whose_stream_is_not_open_is_acknowledged() {
         segment("s2", r#""type":"text-segment-finished","text":"b ""#),
     ];
     let input = js.get_stream("CHAT_RAW").await.unwrap();
-    let consumer: jetstream::consumer::PullConsumer = input.get_consumer("structured-sink-p0").await.unwrap();
+    let metrics = service.metrics();
     let received = |count: u64| {
-        let metrics = service.metrics();
+        let metrics = metrics.clone();
         async move {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while metrics.snapshot().events_received < count && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            assert!(metrics.snapshot().events_received >= count, "{count} events received");
+            let received = settle(|| async { metrics.snapshot().events_received }, |&n| n >= count).await;
+            assert!(received >= count, "{count} events received, not {received}");
         }
     };
     publish_inputs(&js, &events, 0..1).await;
@@ -439,23 +438,17 @@ async fn a_repeated_message_end_whose_stream_is_not_open_is_acknowledged() {
     proxy.cut();
     // Delivered again after `ack_wait`: s1's delta (late, acknowledged), the error, s2's delta.
     received(6).await;
-    let acknowledged = |floor: u64, pending: usize| {
-        let mut consumer = consumer.clone();
+    // (ack floor, acks pending) once they are `expected`, or as they stand after a bound.
+    let acknowledged = |expected: (u64, usize)| {
+        let input = &input;
         async move {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let mut info = consumer.info().await.unwrap().clone();
-            while (info.ack_floor.stream_sequence, info.num_ack_pending) != (floor, pending)
-                && Instant::now() < deadline
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                info = consumer.info().await.unwrap().clone();
-            }
-            (info.ack_floor.stream_sequence, info.num_ack_pending)
+            let state = settle(|| consumer_state(input, 0), |&(floor, pending, _)| (floor, pending) == expected).await;
+            (state.0, state.1)
         }
     };
-    assert_eq!(acknowledged(2, 1).await, (2, 1), "while s2 is open, only its first event is unacknowledged");
+    assert_eq!(acknowledged((2, 1)).await, (2, 1), "while s2 is open, only its first event is unacknowledged");
     publish_inputs(&js, &events, 3..4).await;
-    assert_eq!(acknowledged(4, 0).await, (4, 0), "every input acknowledged once s2 ended");
+    assert_eq!(acknowledged((4, 0)).await, (4, 0), "every input acknowledged once s2 ended");
     service.shutdown().await.unwrap();
 }
 

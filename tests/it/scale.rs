@@ -678,7 +678,7 @@ async fn jetstream_input_is_acknowledged_when_no_stream_stores_the_outputs() {
 
 /// The consumer's state for partition `partition` of `input`: (ack floor, acks pending,
 /// messages not yet delivered).
-async fn consumer_state(input: &jetstream::stream::Stream, partition: u32) -> (u64, usize, u64) {
+pub(crate) async fn consumer_state(input: &jetstream::stream::Stream, partition: u32) -> (u64, usize, u64) {
     let mut consumer: jetstream::consumer::PullConsumer =
         input.get_consumer(&format!("structured-sink-p{partition}")).await.unwrap();
     let info = consumer.info().await.unwrap();
@@ -687,7 +687,10 @@ async fn consumer_state(input: &jetstream::stream::Stream, partition: u32) -> (u
 
 /// Polls `state` until `done` holds or a bound passes (not a timing assertion: a loaded machine
 /// may need long), and returns the last state.
-async fn settle<T, F: std::future::Future<Output = T>>(mut state: impl FnMut() -> F, done: impl Fn(&T) -> bool) -> T {
+pub(crate) async fn settle<T, F: std::future::Future<Output = T>>(
+    mut state: impl FnMut() -> F,
+    done: impl Fn(&T) -> bool,
+) -> T {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let now = state().await;
