@@ -41,13 +41,18 @@ struct Connection {
 
 /// A TCP proxy on 127.0.0.1 in front of a NATS server. Its connections can be told to discard
 /// everything the server sends (the client sees a silent connection, the server sees its writes
-/// succeed), or the acknowledgements the client sends, and cut. Connections accepted after a cut (the client's reconnects) forward
-/// normally.
+/// succeed), or the acknowledgements the client sends, and cut. Connections accepted after a cut
+/// (the client's reconnects) forward normally.
 struct Proxy {
     url: String,
     connections: Arc<Mutex<Vec<Connection>>>,
     /// While set, new connections are closed at once (the server looks unreachable).
     refuse: Arc<AtomicBool>,
+    /// While set, every connection drops the client's pull requests to consumers other than the
+    /// service's durable ones: a recovery's stream read gets nothing, on a connection that works.
+    drop_reads: Arc<AtomicBool>,
+    /// The pull requests dropped so.
+    reads_dropped: Arc<AtomicU64>,
     /// While set, no byte goes either way on any connection (a network that stalls, with no
     /// connection lost); the bytes wait.
     hold: Arc<AtomicBool>,
@@ -68,6 +73,8 @@ impl Proxy {
         let holding = hold.clone();
         let delay = Arc::new(AtomicU64::new(0));
         let delaying = delay.clone();
+        let reads = Reads::default();
+        let dropping = reads.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 // Refusing by closing: the client retries, as it would with a server down.
@@ -80,13 +87,26 @@ impl Proxy {
                     client,
                     server,
                     [discard.clone(), drop_acks.clone()],
+                    dropping.clone(),
                     holding.clone(),
                     delaying.clone(),
                 ));
                 accepted.lock().unwrap().push(Connection { discard, drop_acks, task });
             }
         });
-        Proxy { url, connections, refuse, hold, delay, accept }
+        let Reads { drop: drop_reads, dropped: reads_dropped } = reads;
+        Proxy { url, connections, refuse, drop_reads, reads_dropped, hold, delay, accept }
+    }
+
+    /// Drops (`true`) or passes (`false`) the pull requests of recovery reads on every connection,
+    /// current and later ones; see [`Proxy::drop_reads`].
+    fn drop_reads(&self, drop: bool) {
+        self.drop_reads.store(drop, Ordering::SeqCst);
+    }
+
+    /// The recovery reads' pull requests dropped so far.
+    fn reads_dropped(&self) -> u64 {
+        self.reads_dropped.load(Ordering::SeqCst)
     }
 
     /// Delays every read from the server by `ms` milliseconds, on every connection.
@@ -137,12 +157,22 @@ impl Drop for Proxy {
     }
 }
 
+/// Whether the proxy drops recovery reads' pull requests, and how many it dropped (shared by all
+/// its connections).
+#[derive(Clone, Default)]
+struct Reads {
+    drop: Arc<AtomicBool>,
+    dropped: Arc<AtomicU64>,
+}
+
 /// Copies bytes both ways until either side closes, none while `hold` is set; the server's bytes
-/// only while `discard[0]` is unset, the client's acknowledgements only while `discard[1]` is.
+/// only while `discard[0]` is unset, the client's acknowledgements only while `discard[1]` is,
+/// its recovery reads' pull requests only while `reads` says so.
 async fn forward(
     client: TcpStream,
     server: TcpStream,
     discard: [Arc<AtomicBool>; 2],
+    reads: Reads,
     hold: Arc<AtomicBool>,
     delay: Arc<AtomicU64>,
 ) {
@@ -150,17 +180,20 @@ async fn forward(
     let (mut server_read, mut server_write) = server.into_split();
     let [discard, drop_acks] = discard;
     tokio::select! {
-        () = pass_client(&mut client_read, &mut server_write, &drop_acks, &hold) => {}
+        () = pass_client(&mut client_read, &mut server_write, &drop_acks, &reads, &hold) => {}
         () = pass(&mut server_read, &mut client_write, &discard, &hold, &delay) => {}
     }
 }
 
 /// Copies the client's operations to the server until either closes, whole operations at a time:
-/// publishes to `$JS.ACK.>` are dropped while `drop_acks` is set; waits while `hold` is.
+/// publishes to `$JS.ACK.>` are dropped while `drop_acks` is set, pull requests of consumers other
+/// than the service's durable ones (`structured-sink-p<n>`) while `reads.drop` is; waits while
+/// `hold` is set.
 async fn pass_client(
     from: &mut (impl tokio::io::AsyncRead + Unpin),
     to: &mut (impl tokio::io::AsyncWrite + Unpin),
     drop_acks: &AtomicBool,
+    reads: &Reads,
     hold: &AtomicBool,
 ) {
     let mut buffer = vec![0; 64 * 1024];
@@ -175,7 +208,19 @@ async fn pass_client(
             Ok(n) => n,
         };
         pending.extend_from_slice(&buffer[..n]);
-        let passed = whole_operations(&mut pending, drop_acks.load(Ordering::SeqCst));
+        let (drop_acks, drop_reads) = (drop_acks.load(Ordering::SeqCst), reads.drop.load(Ordering::SeqCst));
+        let passed = whole_operations(&mut pending, |subject| {
+            if drop_acks && subject.starts_with(b"$JS.ACK.") {
+                return true;
+            }
+            let read = subject.strip_prefix(b"$JS.API.CONSUMER.MSG.NEXT.").is_some_and(|rest| {
+                !rest.split(|&b| b == b'.').nth(1).unwrap_or_default().starts_with(b"structured-sink-p")
+            });
+            if drop_reads && read {
+                reads.dropped.fetch_add(1, Ordering::SeqCst);
+            }
+            drop_reads && read
+        });
         if to.write_all(&passed).await.is_err() {
             break;
         }
@@ -183,8 +228,8 @@ async fn pass_client(
 }
 
 /// Takes the whole client operations at the start of `pending` (a line, and for `PUB` and `HPUB`
-/// the payload the line announces), without publishes to `$JS.ACK.>` when `drop_acks`.
-fn whole_operations(pending: &mut Vec<u8>, drop_acks: bool) -> Vec<u8> {
+/// the payload the line announces), without the publishes whose subject `dropped` picks.
+fn whole_operations(pending: &mut Vec<u8>, mut dropped: impl FnMut(&[u8]) -> bool) -> Vec<u8> {
     let mut passed = Vec::new();
     while let Some(line_end) = pending.windows(2).position(|w| w == b"\r\n") {
         let line = &pending[..line_end];
@@ -198,8 +243,7 @@ fn whole_operations(pending: &mut Vec<u8>, drop_acks: bool) -> Vec<u8> {
         if pending.len() < end {
             break;
         }
-        let ack = publish && line.split(|&b| b == b' ').nth(1).is_some_and(|s| s.starts_with(b"$JS.ACK."));
-        if !(ack && drop_acks) {
+        if !(publish && line.split(|&b| b == b' ').nth(1).is_some_and(&mut dropped)) {
             passed.extend_from_slice(&pending[..end]);
         }
         pending.drain(..end);
@@ -382,16 +426,56 @@ async fn a_delivery_lost_with_the_connection_is_applied_in_order_with(expiry_tic
     lose_delivery(&proxy, &js, &events, 1).await;
     publish_inputs(&js, &events, 2..events.len()).await;
 
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let mut last = None;
-    while !last.as_ref().is_some_and(|t: &proto::FilteredText| t.r#final) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        last = last_filtered(&out).await;
-    }
-    let last = last.filter(|t| t.r#final).expect("the final output of m stored downstream");
-    assert_eq!(last.text, "A B C ", "the final text of m, every delta in order");
+    let text = final_text(&out, Duration::from_secs(90)).await;
+    assert_eq!(text.as_deref(), Some("A B C "), "the final text of m, every delta in order");
 
     // Everything stored downstream (deduplicated by Nats-Msg-Id) is what replay gives.
+    let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
+    service.shutdown().await.unwrap();
+    assert_eq!(got, expected);
+}
+
+/// The text of the final `FilteredText` stored in `out`, once there is one, or `None` after
+/// `limit`.
+async fn final_text(out: &jetstream::stream::Stream, limit: Duration) -> Option<String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(last) = last_filtered(out).await.filter(|t| t.r#final) {
+            return Some(last.text);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Stream `m` as in [`a_delivery_lost_with_the_connection_is_applied_in_order`], with the
+/// recovery's read of the stream stalled on a connection that works: the proxy drops the read's
+/// pull request, so the read gets neither messages nor heartbeats. After five seconds without a
+/// message (`REBUILD_IDLE`) the replica opens the read again, and the rebuild ends. Left to
+/// itself, the client's ordered read recovers only once it has missed two 15 s heartbeats and
+/// recreates its consumer (the test took 61 s with `REBUILD_IDLE` raised to two minutes): the
+/// bound here, 20 s after the proxy lets reads through again, lies between the two.
+#[tokio::test]
+async fn a_recovery_read_that_stalls_is_opened_again() {
+    let (server, proxy, config) = proxied().await;
+    let service = RunningService::start(config).await.unwrap();
+    let (_client, js, mut out) = downstream(&server.url()).await;
+    let events = stream_m(&["A ", "B ", "C "]);
+
+    publish_inputs(&js, &events, 0..1).await;
+    assert_eq!(stored(&mut out, 1, Duration::from_secs(30)).await, 1, "the output of \"A \" stored first");
+    proxy.drop_reads(true);
+    lose_delivery(&proxy, &js, &events, 1).await;
+    // The delivery of "C " shows the loss of "B ": the recovery opens its read of the stream.
+    publish_inputs(&js, &events, 2..events.len()).await;
+    let dropped = settle(|| async { proxy.reads_dropped() }, |&n| n > 0).await;
+    assert!(dropped > 0, "the recovery's read sent a pull request, which the proxy dropped");
+    proxy.drop_reads(false);
+
+    let text = final_text(&out, Duration::from_secs(20)).await;
+    assert_eq!(text.as_deref(), Some("A B C "), "the final text of m, once the read was opened again");
     let (expected, got) = replayed_and_stored(&server, &mut out, &events).await;
     service.shutdown().await.unwrap();
     assert_eq!(got, expected);
