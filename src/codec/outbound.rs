@@ -108,8 +108,13 @@ pub struct Publication {
 impl Publication {
     /// The key of the stream it belongs to (`msg_id` without its sequence number).
     pub fn stream_key(&self) -> &str {
-        self.msg_id.rsplit_once(':').map_or("", |(id, _)| id)
+        stream_key(&self.msg_id)
     }
+}
+
+/// The key of the stream an output message id (`<stream key>:<seq>`) belongs to.
+pub fn stream_key(msg_id: &str) -> &str {
+    msg_id.rsplit_once(':').map_or("", |(id, _)| id)
 }
 
 /// A stream's identity in the form every one of its messages needs.

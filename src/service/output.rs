@@ -16,13 +16,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
-use async_nats::{HeaderMap, HeaderName, Subject};
+use async_nats::{HeaderMap, HeaderName, HeaderValue, Subject};
 use bytes::Bytes;
 use tokio_util::sync::CancellationToken;
 
 use super::{Envelope, ERROR_DETAIL_HEADER, ERROR_HEADER, PAYLOAD_OMITTED_HEADER, SOURCE_SUBJECT_HEADER, TYPE_HEADER};
 use crate::bus;
-use crate::codec::outbound::{payload_bound, OutputEncoder, Publication};
+use crate::codec::outbound::{payload_bound, stream_key, OutputEncoder, Publication};
 use crate::config::Config;
 use crate::metrics::{BlockFailure, CloseReason, DeadLetterReason, DropReason, Metrics, OutputKind};
 use crate::pipeline::PipelineStats;
@@ -96,20 +96,22 @@ struct OutputTemplate {
 }
 
 impl OutputTemplates {
-    fn prepared(&mut self, publication: &Publication) -> (Subject, HeaderMap, OutputKind) {
+    /// The template of `publication`'s kind (its index, to build its headers with
+    /// [`OutputTemplates::headers`]), its subject and its metric label.
+    fn prepared(&mut self, publication: &Publication) -> (usize, Subject, OutputKind) {
         let (subject_text, type_name, content_type) =
             (&publication.subject, publication.type_name, publication.content_type);
         // By pointer first: every output of a kind shares its encoder's subject string, and the
         // names are constants (a constant used in two places may still have two addresses, hence
         // the comparison of contents after).
         let same = |a: &str, b: &str| std::ptr::eq(a, b) || a == b;
-        let found = self.0.iter().find(|t| {
+        let found = self.0.iter().position(|t| {
             (Arc::ptr_eq(&t.subject_text, subject_text) || t.subject_text == *subject_text)
                 && same(t.type_name, type_name)
                 && same(t.content_type, content_type)
         });
-        let template = match found {
-            Some(template) => template,
+        let index = match found {
+            Some(index) => index,
             None => {
                 let mut headers = HeaderMap::new();
                 headers.insert(CONTENT_TYPE_HEADER, content_type);
@@ -123,10 +125,22 @@ impl OutputTemplates {
                     headers,
                     kind: output_kind(type_name),
                 });
-                self.0.last().expect("just pushed")
+                self.0.len() - 1
             }
         };
-        (template.subject.clone(), template.headers.clone(), template.kind)
+        let template = &self.0[index];
+        (index, template.subject.clone(), template.kind)
+    }
+
+    /// The headers of an output made from template `index`: the template's, the output's message
+    /// id and its event's trace context.
+    fn headers(&self, index: usize, msg_id: HeaderValue, trace: &[(HeaderName, HeaderValue)]) -> HeaderMap {
+        let mut headers = self.0[index].headers.clone();
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
+        for (name, value) in trace {
+            headers.insert(name.clone(), value.clone());
+        }
+        headers
     }
 }
 
@@ -230,6 +244,9 @@ impl HeldAcks {
 
 /// An output published through JetStream whose storage is not confirmed yet.
 struct Unconfirmed {
+    /// Which of the streams whose outputs are awaited together it belongs to (see
+    /// [`NatsSink::await_confirmations`]); 0 when they are one stream's.
+    stream: usize,
     /// The confirmation to await, or why the publish could not even be sent.
     sent: Result<PublishAckFuture, PublishError>,
     output: Output,
@@ -245,10 +262,20 @@ struct Input {
 /// after all is dropped by the stream).
 struct Output {
     subject: Subject,
-    headers: HeaderMap,
+    headers: KeptHeaders,
     payload: Bytes,
     /// Its metric label.
     kind: OutputKind,
+}
+
+/// The headers of an output kept to publish it again.
+enum KeptHeaders {
+    /// A forwarded input event's, as published.
+    Whole(HeaderMap),
+    /// An output of the pipeline's: what its headers are made of ([`OutputTemplates::headers`]),
+    /// put together again only if it is published again. Keeping a copy of the whole map cost
+    /// about seven allocations per output, most of what keeping it cost.
+    Made { template: usize, msg_id: HeaderValue, trace: Vec<(HeaderName, HeaderValue)> },
 }
 
 /// Rounds of publishing unconfirmed outputs again between two error logs (the first rounds are
@@ -349,9 +376,12 @@ impl NatsSink {
 
     /// Waits for storage confirmations, publishing again (with backoff, same message id) what was
     /// not confirmed, for instance across a server restart or while a replicated stream elects a
-    /// new leader, until everything is stored or the service stops. True when every output was
-    /// stored or has nowhere to be stored (no stream captures its subject); false only when the
-    /// service stopped first.
+    /// new leader, until everything is stored or the service stops. Returns the streams (as
+    /// [`Unconfirmed::stream`] numbers them) whose outputs are not all confirmed: none when every
+    /// output was stored or has nowhere to be stored (no stream captures its subject); some only
+    /// when the service stopped first. Several streams' outputs are awaited as one batch: one
+    /// stream's slow confirmations are not waited for before the next stream's, and each
+    /// confirmation is polled when it arrives rather than whenever one of its stream's does.
     ///
     /// There is no give-up short of shutdown: input whose outputs were given up would have to be
     /// processed again, but its stream has finished here, so a redelivery of it counts as a
@@ -364,13 +394,13 @@ impl NatsSink {
     /// the server is not storing them, and awaiting would cost each closing stream a confirmation
     /// timeout and a JetStream API timeout (about 4 s) of the shutdown's time, for the same end
     /// (the input left unacknowledged).
-    async fn await_confirmations(&self, pending: Vec<Unconfirmed>) -> bool {
-        let Some(js) = self.confirm.as_ref() else { return true };
+    async fn await_confirmations(&self, pending: Vec<Unconfirmed>) -> Vec<usize> {
+        let Some(js) = self.confirm.as_ref() else { return Vec::new() };
         if pending.is_empty() {
-            return true;
+            return Vec::new();
         }
         if self.stopping.is_cancelled() && self.unconfirmed_at_stop.load(Ordering::Relaxed) {
-            return false;
+            return streams_of(pending.iter().map(|u| u.stream));
         }
         let mut pending = pending;
         let mut round = 0u32;
@@ -380,14 +410,14 @@ impl NatsSink {
             for output in refused {
                 self.metrics.count_publish_error(output.kind);
             }
-            let Some((_, error)) = failed.first() else { return true };
+            let Some(Unstored { error, .. }) = failed.first() else { return Vec::new() };
             let error = match error.kind() {
                 // `unstored` kept it, so a stream does capture the subject.
                 PublishErrorKind::StreamNotFound => "no responders: the stream has no leader".to_owned(),
                 _ => error.to_string(),
             };
             if self.stopping.is_cancelled() {
-                return self.unconfirmed_when_stopping(failed.len(), &error);
+                return self.unconfirmed_when_stopping(&failed, &error);
             }
             round += 1;
             if round % ROUNDS_PER_ERROR_LOG == 0 {
@@ -400,25 +430,30 @@ impl NatsSink {
             let backoff = Duration::from_millis(100 * u64::from(round.min(10)));
             tokio::select! {
                 _ = tokio::time::sleep(backoff) => {}
-                _ = self.stopping.cancelled() => return self.unconfirmed_when_stopping(failed.len(), &error),
+                _ = self.stopping.cancelled() => return self.unconfirmed_when_stopping(&failed, &error),
             }
             pending = Vec::with_capacity(failed.len());
-            for (output, _) in failed {
+            for Unstored { stream, output, .. } in failed {
                 self.metrics.count_republished(output.kind);
-                let sent = js
-                    .publish_with_headers(output.subject.clone(), output.headers.clone(), output.payload.clone())
-                    .await;
-                pending.push(Unconfirmed { sent, output });
+                let headers = match &output.headers {
+                    KeptHeaders::Whole(headers) => headers.clone(),
+                    KeptHeaders::Made { template, msg_id, trace } => {
+                        self.templates.headers(*template, msg_id.clone(), trace)
+                    }
+                };
+                let sent = js.publish_with_headers(output.subject.clone(), headers, output.payload.clone()).await;
+                pending.push(Unconfirmed { stream, sent, output });
             }
         }
     }
 
-    /// The end of [`NatsSink::await_confirmations`] when `outputs` went unconfirmed after the
+    /// The end of [`NatsSink::await_confirmations`] when `failed` went unconfirmed after the
     /// service began to stop: logged, and remembered so that later confirmations are not awaited.
-    fn unconfirmed_when_stopping(&self, outputs: usize, error: &str) -> bool {
+    /// Returns their streams.
+    fn unconfirmed_when_stopping(&self, failed: &[Unstored], error: &str) -> Vec<usize> {
         self.unconfirmed_at_stop.store(true, Ordering::Relaxed);
-        tracing::warn!(outputs, %error, "stopping with outputs whose storage is not confirmed");
-        false
+        tracing::warn!(outputs = failed.len(), %error, "stopping with outputs whose storage is not confirmed");
+        streams_of(failed.iter().map(|f| f.stream))
     }
 
     /// Whether a JetStream stream stores output `subject`, from the JetStream API, remembered for
@@ -521,8 +556,8 @@ impl NatsSink {
                     }
                     return;
                 }
-                let output = Output { subject, headers, payload, kind };
-                self.await_confirmations(vec![Unconfirmed { sent, output }]).await
+                let output = Output { subject, headers: KeptHeaders::Whole(headers), payload, kind };
+                self.await_confirmations(vec![Unconfirmed { stream: 0, sent, output }]).await.is_empty()
             }
             _ => {
                 self.send(kind, subject, headers, payload).await;
@@ -574,48 +609,49 @@ impl ShardSink for NatsSink {
         // The JetStream context is borrowed, never cloned here: a clone and drop of its client per
         // output was about 8% of the input task's time in JetStream mode.
         let confirm = self.captured(&publication.subject).await;
-        // Confirmations are kept per stream (taken before the id moves into the header).
-        let key: Option<Box<str>> = confirm.then(|| publication.stream_key().into());
-        let (subject, mut headers, kind) = self.templates.prepared(&publication);
+        let (template, subject, kind) = self.templates.prepared(&publication);
+        let Publication { msg_id, payload, .. } = publication;
         // The id is the stream key (its message and stream ids, checked for control characters
         // when its event was decoded) and a number, so it never holds a line break; were it to,
         // the output is reported and dropped rather than published with a forged header or a
         // panic.
-        let Some(msg_id) = bus::header_value(publication.msg_id) else {
+        let Some(msg_id) = bus::header_value(msg_id) else {
             self.metrics.count_publish_error(kind);
             tracing::error!(%subject, "publish failed: the output's message id holds a line break");
             return;
         };
-        headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
-        for (name, value) in cause.map_or(&[][..], |c| &c.trace) {
-            headers.insert(name.clone(), value.clone());
+        let trace = cause.map_or(&[][..], |c| &c.trace);
+        // `captured` is false without a JetStream context.
+        let Some(js) = self.confirm.as_ref().filter(|_| confirm) else {
+            let headers = self.templates.headers(template, msg_id, trace);
+            return self.send(kind, subject, headers, payload).await;
+        };
+        let headers = self.templates.headers(template, msg_id.clone(), trace);
+        let sent = js.publish_with_headers(subject.clone(), headers, payload.clone()).await;
+        // Not retried, it can never be sent: its stream's input is acknowledged as usual.
+        if self.to_confirm(kind, &subject, &sent) {
+            // Kept per stream. The key is copied only for a stream's first output in a batch.
+            let key = stream_key(msg_id.as_str());
+            if !self.unconfirmed.contains_key(key) {
+                self.unconfirmed.insert(key.into(), Vec::new());
+            }
+            let outputs = self.unconfirmed.get_mut(key).expect("inserted above");
+            let headers = KeptHeaders::Made { template, msg_id, trace: trace.to_vec() };
+            outputs.push(Unconfirmed { stream: 0, sent, output: Output { subject, headers, payload, kind } });
+            self.unconfirmed_total += 1;
         }
-        match self.confirm.as_ref().zip(key) {
-            None => self.send(kind, subject, headers, publication.payload).await,
-            Some((js, key)) => {
-                let payload = publication.payload;
-                let sent = js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await;
-                // Not retried, it can never be sent: its stream's input is acknowledged as usual.
-                if self.to_confirm(kind, &subject, &sent) {
-                    let unconfirmed = Unconfirmed { sent, output: Output { subject, headers, payload, kind } };
-                    self.unconfirmed.entry(key).or_default().push(unconfirmed);
-                    self.unconfirmed_total += 1;
-                }
-                if self.unconfirmed_total >= MAX_UNCONFIRMED {
-                    // All streams' confirmations at once: one stream's slow confirmations must not
-                    // be waited for before the next stream's.
-                    let pending = std::mem::take(&mut self.unconfirmed);
-                    let this = &*self;
-                    let awaited = pending
-                        .into_iter()
-                        .map(|(stream, pending)| async move { (stream, this.await_confirmations(pending).await) });
-                    for (stream, stored) in futures::future::join_all(awaited).await {
-                        if !stored {
-                            self.unconfirmed_failures.insert(stream);
-                        }
-                    }
-                    self.unconfirmed_total = 0;
-                }
+        if self.unconfirmed_total >= MAX_UNCONFIRMED {
+            // Every stream's confirmations in one batch, each output numbered by its stream.
+            let (streams, pending): (Vec<Box<str>>, Vec<Vec<Unconfirmed>>) =
+                std::mem::take(&mut self.unconfirmed).into_iter().unzip();
+            let pending = pending
+                .into_iter()
+                .enumerate()
+                .flat_map(|(stream, outputs)| outputs.into_iter().map(move |u| Unconfirmed { stream, ..u }))
+                .collect();
+            self.unconfirmed_total = 0;
+            for stream in self.await_confirmations(pending).await {
+                self.unconfirmed_failures.insert(streams[stream].clone());
             }
         }
     }
@@ -687,7 +723,7 @@ impl ShardSink for NatsSink {
         // it again.
         let pending = self.unconfirmed.remove(key).unwrap_or_default();
         self.unconfirmed_total -= pending.len();
-        let stored = self.await_confirmations(pending).await;
+        let stored = self.await_confirmations(pending).await.is_empty();
         if !stored || self.unconfirmed_failures.remove(key) {
             tracing::warn!(
                 stream.key = key,
@@ -802,6 +838,21 @@ fn is_publish_control(name: &str) -> bool {
     PREFIXES.iter().any(|p| starts(p)) || NAMES.iter().any(|n| name.eq_ignore_ascii_case(n))
 }
 
+/// An output whose storage was not confirmed, with its stream's number and why.
+struct Unstored {
+    stream: usize,
+    output: Output,
+    error: PublishError,
+}
+
+/// Each stream number of `streams` once, in order.
+fn streams_of(streams: impl Iterator<Item = usize>) -> Vec<usize> {
+    let mut streams: Vec<usize> = streams.collect();
+    streams.sort_unstable();
+    streams.dedup();
+    streams
+}
+
 /// Awaits the confirmations of `outputs` and returns those not stored, each with its error.
 /// Outputs whose subject no stream captures are left out: nothing downstream stores them, so
 /// there is nothing to confirm. Those a stream refuses for good go to `permanently_refused`.
@@ -809,21 +860,30 @@ async fn unstored(
     js: &async_nats::jetstream::Context,
     outputs: Vec<Unconfirmed>,
     permanently_refused: &mut Vec<Output>,
-) -> Vec<(Output, PublishError)> {
-    // Awaited together: each confirmation's timeout starts when it is awaited, so awaiting them
-    // one after the other would take a timeout per output when the server does not answer.
-    let results = futures::future::join_all(outputs.into_iter().map(|Unconfirmed { sent, output }| async move {
+) -> Vec<Unstored> {
+    // One after the other under one deadline: each confirmation's own timeout starts when it is
+    // awaited, so with those alone a server that does not answer would cost a timeout per output.
+    // (A confirmation that arrived is taken even past the deadline: the inner future is polled
+    // first.) Most have arrived by the time they are awaited; polling them together instead
+    // (`join_all`) cost 1.5 k instructions more per output in its own bookkeeping and in polls
+    // again of those not yet arrived, 2.8 k over a whole batch of streams (callgrind,
+    // BENCHMARKS.md, thirty-seventh session).
+    let deadline = tokio::time::Instant::now() + CONFIRM_TIMEOUT;
+    let mut results = Vec::with_capacity(outputs.len());
+    for Unconfirmed { stream, sent, output } in outputs {
         let stored = match sent {
-            Ok(confirmation) => confirmation.await.map(drop),
+            Ok(confirmation) => match tokio::time::timeout_at(deadline, confirmation).await {
+                Ok(confirmed) => confirmed.map(drop),
+                Err(_) => Err(PublishError::new(PublishErrorKind::TimedOut)),
+            },
             Err(e) => Err(e),
         };
-        (output, stored)
-    }))
-    .await;
+        results.push((stream, output, stored));
+    }
     let mut failed = Vec::new();
     // One JetStream API request per subject and round, not per output.
     let mut captured: HashMap<String, bool> = HashMap::new();
-    for (output, stored) in results {
+    for (stream, output, stored) in results {
         let Err(error) = stored else { continue };
         // A stream that refuses the message for good (larger than its `max_msg_size`, headers over
         // its limit, sealed) would refuse it in every round, and the rounds hold the worker and
@@ -854,7 +914,7 @@ async fn unstored(
                 continue;
             }
         }
-        failed.push((output, error));
+        failed.push(Unstored { stream, output, error });
     }
     failed
 }
