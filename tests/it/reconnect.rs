@@ -99,7 +99,8 @@ impl Proxy {
     }
 
     /// Drops (`true`) or passes (`false`) the pull requests of recovery reads on every connection,
-    /// current and later ones; see [`Proxy::drop_reads`].
+    /// current and later ones (the pull requests of consumers other than the service's durable
+    /// ones, see [`pass_client`]).
     fn drop_reads(&self, drop: bool) {
         self.drop_reads.store(drop, Ordering::SeqCst);
     }
