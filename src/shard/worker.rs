@@ -70,8 +70,9 @@ pub trait ShardSink: Send + 'static {
     fn stream_abandoned(&mut self, key: &str);
     /// A stream opened because of the event with `cause`: its span may take a parent from it.
     fn stream_opened(&mut self, span: &tracing::Span, cause: &Self::Envelope);
-    /// Reports counters after a change. Called after every event applied outside a worker, so it
-    /// must be cheap when nothing changed.
+    /// Reports counters after a change: once per batch of events (a worker's batch, or a burst of
+    /// events the input task applies itself) and after expiry, so it must be cheap when nothing
+    /// changed.
     fn report(&mut self, shard: usize, open_streams: usize, table: TableStats, pipeline: PipelineStats);
     /// Makes sure everything published so far has left the process.
     fn flush(&mut self) -> impl Future<Output = ()> + Send;
