@@ -305,7 +305,7 @@ impl Dispatcher {
             // An owned shard's counters once per burst, like a worker's once per batch: they are
             // read by scrapes, so they may lag while events keep coming (by 64 at most) and are
             // current whenever the input pauses. Per event, reading and comparing the counters
-            // cost about 2 % of the input task's instructions (callgrind, BENCHMARKS.md,
+            // cost 2.5 % of the input task's instructions (callgrind, BENCHMARKS.md,
             // thirty-seventh session).
             if let Route::Own(shard) = &mut self.route {
                 shard.report();
