@@ -201,30 +201,46 @@ async fn pass_client(
     // Bytes read and not yet passed on: an operation cut short by a read's end.
     let mut pending = Vec::new();
     loop {
-        while hold.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
+        held(hold).await;
+        let Some(n) = read_some(from, &mut buffer).await else { break };
         pending.extend_from_slice(&buffer[..n]);
         let (drop_acks, drop_reads) = (drop_acks.load(Ordering::SeqCst), reads.drop.load(Ordering::SeqCst));
         let passed = whole_operations(&mut pending, |subject| {
             if drop_acks && subject.starts_with(b"$JS.ACK.") {
                 return true;
             }
-            let read = subject.strip_prefix(b"$JS.API.CONSUMER.MSG.NEXT.").is_some_and(|rest| {
-                !rest.split(|&b| b == b'.').nth(1).unwrap_or_default().starts_with(b"structured-sink-p")
-            });
-            if drop_reads && read {
+            let dropped = drop_reads && is_recovery_read(subject);
+            if dropped {
                 reads.dropped.fetch_add(1, Ordering::SeqCst);
             }
-            drop_reads && read
+            dropped
         });
         if to.write_all(&passed).await.is_err() {
             break;
         }
+    }
+}
+
+/// Whether `subject` is a pull request of a consumer other than the service's durable ones
+/// (`$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`, the durable ones `structured-sink-p<n>`).
+fn is_recovery_read(subject: &[u8]) -> bool {
+    subject
+        .strip_prefix(b"$JS.API.CONSUMER.MSG.NEXT.")
+        .is_some_and(|rest| !rest.split(|&b| b == b'.').nth(1).unwrap_or_default().starts_with(b"structured-sink-p"))
+}
+
+/// Waits while `hold` is set.
+async fn held(hold: &AtomicBool) {
+    while hold.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Reads what `from` has into `buffer`: how many bytes, or `None` once it is closed or failed.
+async fn read_some(from: &mut (impl tokio::io::AsyncRead + Unpin), buffer: &mut [u8]) -> Option<usize> {
+    match from.read(buffer).await {
+        Ok(0) | Err(_) => None,
+        Ok(n) => Some(n),
     }
 }
 
@@ -261,19 +277,11 @@ async fn pass(
     hold: &AtomicBool,
     delay: &AtomicU64,
 ) {
-    let held = || async {
-        while hold.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
     let mut buffer = vec![0; 64 * 1024];
     loop {
-        held().await;
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        held().await;
+        held(hold).await;
+        let Some(n) = read_some(from, &mut buffer).await else { break };
+        held(hold).await;
         match delay.load(Ordering::SeqCst) {
             0 => {}
             ms => tokio::time::sleep(Duration::from_millis(ms)).await,
