@@ -630,14 +630,20 @@ impl ShardSink for NatsSink {
         let sent = js.publish_with_headers(subject.clone(), headers, payload.clone()).await;
         // Not retried, it can never be sent: its stream's input is acknowledged as usual.
         if self.to_confirm(kind, &subject, &sent) {
-            // Kept per stream. The key is copied only for a stream's first output in a batch.
+            let kept = |msg_id| {
+                let headers = KeptHeaders::Made { template, msg_id, trace: trace.to_vec() };
+                Unconfirmed { stream: 0, sent, output: Output { subject, headers, payload, kind } }
+            };
+            // Kept per stream, looked up once; the key is copied only for a stream's first output
+            // in a batch.
             let key = stream_key(msg_id.as_str());
-            if !self.unconfirmed.contains_key(key) {
-                self.unconfirmed.insert(key.into(), Vec::new());
+            match self.unconfirmed.get_mut(key) {
+                Some(outputs) => outputs.push(kept(msg_id)),
+                None => {
+                    let key = Box::from(key);
+                    self.unconfirmed.insert(key, vec![kept(msg_id)]);
+                }
             }
-            let outputs = self.unconfirmed.get_mut(key).expect("inserted above");
-            let headers = KeptHeaders::Made { template, msg_id, trace: trace.to_vec() };
-            outputs.push(Unconfirmed { stream: 0, sent, output: Output { subject, headers, payload, kind } });
             self.unconfirmed_total += 1;
         }
         if self.unconfirmed_total >= MAX_UNCONFIRMED {
