@@ -46,17 +46,24 @@
 //!   itself); the relay does the same for each event, publishing through JetStream and
 //!   acknowledging the input once the storage of its copy is confirmed, with up to
 //!   [`RELAY_UNCONFIRMED`] copies unconfirmed at once.
-//! * The service runs in this process (`RunningService::start`, default shard count unless `--shards`, HTTP off). The relay is
-//!   one task on its own client made by the same `bus::connect` from the same `NatsConfig`. The
-//!   producer runs on its own thread and client, and so does the subscriber: the runtime of the
-//!   system under test (one worker thread per CPU unless `--worker-threads`) runs nothing else,
-//!   so its CPU time is the system's own, and the subscriber's parsing of what the system
-//!   publishes (three headers per service output, one per relay output) is the load generator's.
+//! * The service runs in this process (`RunningService::start`, default shard count unless
+//!   `--shards`, HTTP off). The relay is one task on its own client made by the same `bus::connect`
+//!   from the same `NatsConfig`. The producer runs on its own thread and client, and so does the
+//!   subscriber: the runtime of the system under test (one worker thread per CPU unless
+//!   `--worker-threads`) runs nothing else, so its CPU time is the system's own, and the
+//!   subscriber's parsing of what the system publishes (three headers per service output, one per
+//!   relay output) is the load generator's.
+//! * `--service-bin PATH`: the service runs instead as that `structured-sink` binary's own
+//!   process ([`ServiceProcess`]), as operators run it; its CPU figures are then that process's.
+//!   This is how `deploy/pgo-build.sh` trains a binary built for profile-guided optimisation,
+//!   and how the optimised binary is measured against a plain one. The smoke run includes one
+//!   such phase, with the binary cargo built beside the bench.
 //!
 //! Every loop is bounded in count and time; only 127.0.0.1 is used.
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -125,6 +132,9 @@ struct Args {
     stall: Duration,
     /// `--mode jetstream`: a stream stores the outputs (`--store-outputs`), see the module doc.
     store_outputs: bool,
+    /// `--service-bin PATH`: the service runs as this `structured-sink` binary's own process
+    /// ([`ServiceProcess`]), not in this one.
+    service_bin: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--events-per-stream M (300)] \
@@ -132,7 +142,7 @@ const USAGE: &str = "usage: cargo bench --bench e2e -- [--streams N (1000)] [--e
 [--rounds R (1)] [--shards N (the service default)] [--rate EVENTS_PER_S (half the max)] [--ack-pending N (jetstream)] \
 [--open-streams N (all)] [--pull-batch N (jetstream; the service default)] [--paired EVENTS_PER_S (repeatable)] \
 [--storage file|memory (jetstream; file)] [--store-outputs (jetstream)] [--worker-threads N (one per CPU)] \
-[--stall-seconds S (10)] [--profile-service | --profile-relay]";
+[--stall-seconds S (10)] [--service-bin PATH] [--profile-service | --profile-relay]";
 
 fn parse_args() -> Result<Args> {
     // (see USAGE)
@@ -160,6 +170,7 @@ fn parse_args() -> Result<Args> {
         worker_threads: None,
         stall: Duration::from_secs(10),
         store_outputs: false,
+        service_bin: None,
     };
     let (mut streams, mut events, mut idle) = (None, None, None);
     let mut it = raw.iter();
@@ -189,6 +200,10 @@ fn parse_args() -> Result<Args> {
             "--paired" => args.paired.push(number(a, it.next())?.max(100) as f64),
             "--worker-threads" => args.worker_threads = Some(number(a, it.next())?.max(1)),
             "--stall-seconds" => args.stall = Duration::from_secs(number(a, it.next())?.max(1) as u64),
+            "--service-bin" => {
+                let path = it.next().ok_or_else(|| anyhow!("--service-bin needs a path\n{USAGE}"))?;
+                args.service_bin = Some(PathBuf::from(path));
+            }
             "--mode" => {
                 args.mode = match it.next().map(String::as_str) {
                     Some("core") => Mode::Core,
@@ -226,6 +241,10 @@ fn parse_args() -> Result<Args> {
     args.streams = streams.unwrap_or(args.streams);
     args.events_per_stream = events.unwrap_or(args.events_per_stream);
     args.idle_streams = idle.unwrap_or(args.idle_streams);
+    if args.service_bin.is_some() && args.idle_streams > 0 {
+        // The idle-stream phase reads the service's metrics and this process's memory.
+        bail!("--service-bin: the idle-stream phase measures a service in this process; add --idle-streams 0\n{USAGE}");
+    }
     Ok(args)
 }
 
@@ -586,6 +605,8 @@ enum Running {
         stop: Arc<AtomicBool>,
     },
     Service(Box<RunningService>),
+    /// `--service-bin`: the service's own process.
+    Process(ServiceProcess),
     /// The service and the relay.
     Paired(Box<Running>, Box<Running>),
 }
@@ -600,6 +621,7 @@ impl Running {
                 Ok(())
             }
             Running::Service(service) => service.shutdown().await.map_err(|e| anyhow!("service shutdown: {e}")),
+            Running::Process(process) => process.stop().await,
             Running::Paired(service, relay) => {
                 Box::pin(relay.stop()).await?;
                 Box::pin(service.stop()).await
@@ -611,9 +633,121 @@ impl Running {
         match self {
             Running::Service(s) => Some(s),
             Running::Paired(service, _) => service.service(),
-            Running::Relay { .. } => None,
+            Running::Relay { .. } | Running::Process(_) => None,
         }
     }
+
+    /// CPU time so far of a service running as its own process (0 if none does).
+    fn process_cpu_us(&self) -> u64 {
+        match self {
+            Running::Process(process) => process.cpu_us(),
+            Running::Paired(service, _) => service.process_cpu_us(),
+            Running::Relay { .. } | Running::Service(_) => 0,
+        }
+    }
+}
+
+/// `--service-bin`: the `structured-sink` binary as operators run it, in its own process: `serve`
+/// with the phase's configuration in a TOML file and HTTP on a free port of 127.0.0.1 (for
+/// `/readyz`), logging warnings only, no `STRUCTURED_SINK__*` variable; stopped by SIGTERM, which
+/// it must answer with a clean exit. A clean exit is also when a binary built with
+/// `-Cprofile-generate` writes its profile, which is how `deploy/pgo-build.sh` trains the binary it
+/// then optimises.
+struct ServiceProcess {
+    child: Child,
+    /// Deleted when the process is gone.
+    _config: tempfile::NamedTempFile,
+    /// `service.shutdown_timeout_ms`, plus a margin, for the exit after SIGTERM.
+    exit_within: Duration,
+}
+
+impl ServiceProcess {
+    async fn start(bin: &Path, config: &Config) -> Result<ServiceProcess> {
+        let mut config = config.clone();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        config.http.enabled = true;
+        config.http.listen = format!("127.0.0.1:{port}");
+        config.telemetry.log_filter = "warn".into();
+        let mut file = tempfile::Builder::new().prefix("e2e-service-").suffix(".toml").tempfile()?;
+        file.write_all(toml::to_string(&config)?.as_bytes())?;
+        file.flush()?;
+        let mut command = Command::new(bin);
+        command.arg("--config").arg(file.path()).arg("serve").env_remove("RUST_LOG");
+        // The file is the whole configuration, the one the outputs were predicted from: no
+        // `STRUCTURED_SINK__*` variable of this environment may override it.
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("STRUCTURED_SINK__") {
+                command.env_remove(name);
+            }
+        }
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let exit_within = Duration::from_millis(config.service.shutdown_timeout_ms) + Duration::from_secs(10);
+        let mut process = ServiceProcess { child, _config: file, exit_within };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = process.child.try_wait()? {
+                bail!("{} exited while starting: {status}", bin.display());
+            }
+            if http_status(port, "/readyz").await == Some(200) {
+                return Ok(process);
+            }
+            if Instant::now() > deadline {
+                bail!("{} not ready within 10 s (GET /readyz on port {port})", bin.display());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The process's CPU time so far, all its threads, in microseconds.
+    fn cpu_us(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).map_or(0, |s| stat_cpu_us(&s).1)
+    }
+
+    async fn stop(mut self) -> Result<()> {
+        let pid = self.child.id().to_string();
+        let sent = Command::new("kill").args(["-TERM", &pid]).status().context("kill -TERM")?;
+        if !sent.success() {
+            bail!("kill -TERM {pid}: {sent}");
+        }
+        let deadline = Instant::now() + self.exit_within;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return if status.success() { Ok(()) } else { bail!("the service process exited with {status}") };
+            }
+            if Instant::now() > deadline {
+                bail!("the service process did not exit within {:?} of SIGTERM", self.exit_within);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for ServiceProcess {
+    /// A phase that failed leaves no process behind.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The status code of `GET path` on 127.0.0.1:`port`, if an HTTP answer came within a second.
+async fn http_status(port: u16, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes()).await.ok()?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.ok()?;
+        let line = answer.split(|b| *b == b'\n').next()?;
+        std::str::from_utf8(line).ok()?.split_whitespace().nth(1)?.parse().ok()
+    };
+    tokio::time::timeout(Duration::from_secs(1), exchange).await.ok().flatten()
 }
 
 /// JetStream mode: both systems consume the same fresh stream over `chat`; the service creates
@@ -723,13 +857,35 @@ async fn prefill(admin: &async_nats::Client, workload: &Workload, storage: Stora
 /// Starts the system under test. In JetStream mode the stream is deleted first (each phase gets a
 /// fresh one), unless `prefilled`: then both systems consume the backlog already stored in it. A
 /// memory stream is created here, before either system, since the service would create a file one.
+/// How the systems of a phase start (from the command line).
+#[derive(Debug, Clone, Copy)]
+struct Setup<'a> {
+    mode: Mode,
+    storage: StorageType,
+    store_outputs: bool,
+    /// `--service-bin`: the service as this binary's process ([`ServiceProcess`]).
+    service_bin: Option<&'a Path>,
+}
+
+impl Args {
+    fn setup(&self) -> Setup<'_> {
+        Setup {
+            mode: self.mode,
+            storage: self.storage,
+            store_outputs: self.store_outputs,
+            service_bin: self.service_bin.as_deref(),
+        }
+    }
+}
+
 async fn start_system(
     system: System,
-    (mode, storage, store_outputs): (Mode, StorageType, bool),
+    setup: Setup<'_>,
     config: &Config,
     admin: &async_nats::Client,
     prefilled: bool,
 ) -> Result<Running> {
+    let Setup { mode, storage, store_outputs, service_bin } = setup;
     if mode == Mode::JetStream && !prefilled {
         if storage == StorageType::Memory {
             fresh_js_stream(admin, storage).await?;
@@ -740,10 +896,13 @@ async fn start_system(
     match system {
         System::Paired => {
             // `prefilled`: the stream (JetStream mode) was reset above, once for both.
-            let setup = (mode, storage, store_outputs);
             let service = Box::pin(start_system(System::Service, setup, config, admin, true)).await?;
             let relay = Box::pin(start_system(System::Relay, setup, config, admin, true)).await?;
             Ok(Running::Paired(Box::new(service), Box::new(relay)))
+        }
+        System::Service if service_bin.is_some() => {
+            let bin = service_bin.expect("checked by the guard");
+            Ok(Running::Process(ServiceProcess::start(bin, config).await?))
         }
         System::Service => {
             let service = RunningService::start(config.clone()).await.map_err(|e| anyhow!("service start: {e}"))?;
@@ -907,8 +1066,9 @@ struct PhaseResult {
     service_published: Option<u64>,
     inbox_full: Option<u64>,
     rss_after_mib: f64,
-    /// CPU µs per input event: tokio workers (the system under test), the producer thread,
-    /// nats-server, the subscriber thread.
+    /// CPU µs per input event: tokio workers (the system under test; with `--service-bin`, plus
+    /// the service's process, all its threads), the producer thread, nats-server, the subscriber
+    /// thread.
     cpu_per_event: [f64; 4],
     timed_out: bool,
     /// The longest wait between two outputs of the phase, s: a stall the system recovered from
@@ -1281,8 +1441,7 @@ async fn run_phase(
     subscribed.await.map_err(|_| anyhow!("the subscriber stopped before it subscribed"))??;
     let (workers_before, server_before) = (workers_cpu_us(), server_cpu_us());
     let started_ns = now_ns();
-    let setup = (args.mode, args.storage, args.store_outputs);
-    let running = start_system(system, setup, config, admin, input == Input::Backlog).await?;
+    let running = start_system(system, args.setup(), config, admin, input == Input::Backlog).await?;
 
     let stats = match input {
         Input::Live => {
@@ -1321,7 +1480,8 @@ async fn run_phase(
 
     let per_event = |us: u64| us as f64 / events.max(1) as f64;
     let cpu_per_event = [
-        per_event(workers_cpu_us().saturating_sub(workers_before)),
+        // A service process started after `workers_before`: all its CPU time is this phase's.
+        per_event(workers_cpu_us().saturating_sub(workers_before) + running.process_cpu_us()),
         per_event(stats.cpu_us),
         per_event(server_cpu_us().saturating_sub(server_before)),
         per_event(subscriber_cpu_us),
@@ -1433,7 +1593,8 @@ async fn idle_streams(args: &Args, config: &Config, admin: &async_nats::Client) 
         let pending = i64::try_from(n).unwrap_or(i64::MAX).saturating_mul(2).max(100_000);
         jetstream_config(&mut config, Some(pending));
     }
-    let running = start_system(System::Service, (args.mode, StorageType::File, false), &config, admin, false).await?;
+    let setup = Setup { storage: StorageType::File, store_outputs: false, ..args.setup() };
+    let running = start_system(System::Service, setup, &config, admin, false).await?;
     let service = running.service().expect("a service");
     let producer = connect(&config.nats, "bench-idle-producer", Arc::new(AtomicU64::new(0))).await?;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1596,6 +1757,14 @@ fn report(
         // `cargo test` runs this bench unoptimised, as a smoke test.
         if cfg!(debug_assertions) { "Debug build: the figures are not comparable." } else { "Release build." }
     );
+    if let Some(bin) = &args.service_bin {
+        let _ = writeln!(
+            out,
+            "The service is `{}` in its own process (`--service-bin`): its CPU figures are that \
+             process's, all threads; the relay stays in this process.\n",
+            bin.display()
+        );
+    }
     let [f, b, t, tl] = workload.by_subject;
     let _ = writeln!(
         out,
@@ -1981,10 +2150,32 @@ async fn run(args: &Args, url: &str, wall: Instant) -> Result<bool> {
         workload.expected_outputs
     );
 
+    if args.smoke {
+        // The shipped binary itself, as its own process, over the same workload: every output
+        // checked off as in the other phases.
+        let args = Args { service_bin: Some(PathBuf::from(env!("CARGO_BIN_EXE_structured-sink"))), ..args.clone() };
+        let label = "structured-sink binary, max rate";
+        let p = run_phase(label, System::Service, &args, &config, &workload, None, &admin, &slow, Input::Live).await?;
+        eprintln!("{label}: {}/{} outputs, {} missing, {} duplicates", p.received, p.expected, p.missing, p.duplicates);
+        if !p.complete() {
+            bail!("smoke run: the binary's outputs were incomplete");
+        }
+    }
     if let Some(system) = args.profile {
         for round in 1..=args.rounds {
             let p = run_phase("profile", system, args, &config, &workload, None, &admin, &slow, Input::Live).await?;
             eprintln!("round {round}: {:.0} events/s in, {}/{} outputs", p.in_rate, p.received, p.expected);
+            if !p.complete() {
+                // A profile of a run that lost or duplicated outputs would train on a broken run.
+                bail!(
+                    "round {round} incomplete: {} missing, {} duplicates, {} unexpected, {} dead letters{}",
+                    p.missing,
+                    p.duplicates,
+                    p.unexpected,
+                    p.dead_letters,
+                    if p.timed_out { ", timed out" } else { "" }
+                );
+            }
         }
         return Ok(true);
     }

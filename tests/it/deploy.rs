@@ -16,6 +16,8 @@
 //! - `deploy/nats.conf` is valid for the real server and maps ids to the partitions the service
 //!   computes (FNV-1a 32-bit modulo the count);
 //! - the image's build context lets in every file the build reads; the health probe works.
+//! - `deploy/pgo-build.sh` (the image's profile-guided build) passes the load tool only flags it
+//!   parses, and the Dockerfile runs it.
 //!
 //! `helm`, `kubectl` and `docker` are used when they are on PATH (`docker` only with a reachable
 //! daemon); when one is not, its test says so on stderr instead of passing silently.
@@ -1212,6 +1214,27 @@ fn build_context_allows(path: &str) -> bool {
         }
     }
     included
+}
+
+/// `deploy/pgo-build.sh` (what the Dockerfile runs with `--build-arg PGO=1`) drives the load tool
+/// with command-line flags that must exist there: a renamed flag would otherwise show only in a
+/// profile-guided image build, which no test here runs.
+#[test]
+fn pgo_build_script_passes_the_load_tool_only_flags_it_knows() {
+    use std::os::unix::fs::PermissionsExt;
+    let script = read("deploy/pgo-build.sh");
+    let bench = read("benches/e2e.rs");
+    let runs: Vec<&str> = script.lines().map(str::trim).filter(|l| l.starts_with("\"$e2e\"")).collect();
+    assert!(runs.len() >= 2, "a core and a JetStream training run: {runs:?}");
+    for run in &runs {
+        for flag in run.split_whitespace().filter(|w| w.starts_with("--")) {
+            assert!(bench.contains(&format!("\"{flag}\" =>")), "benches/e2e.rs does not parse {flag} ({run})");
+        }
+    }
+    assert!(runs.iter().all(|r| r.contains("--service-bin \"$instrumented\"")), "training runs the binary: {runs:?}");
+    let mode = std::fs::metadata(repo().join("deploy/pgo-build.sh")).unwrap().permissions().mode();
+    assert_ne!(mode & 0o111, 0, "deploy/pgo-build.sh must be executable");
+    assert!(read("deploy/Dockerfile").contains("deploy/pgo-build.sh /out/structured-sink"));
 }
 
 #[test]
