@@ -854,9 +854,6 @@ async fn prefill(admin: &async_nats::Client, workload: &Workload, storage: Stora
     Ok(())
 }
 
-/// Starts the system under test. In JetStream mode the stream is deleted first (each phase gets a
-/// fresh one), unless `prefilled`: then both systems consume the backlog already stored in it. A
-/// memory stream is created here, before either system, since the service would create a file one.
 /// How the systems of a phase start (from the command line).
 #[derive(Debug, Clone, Copy)]
 struct Setup<'a> {
@@ -878,6 +875,9 @@ impl Args {
     }
 }
 
+/// Starts the system under test. In JetStream mode the stream is deleted first (each phase gets a
+/// fresh one), unless `prefilled`: then both systems consume the backlog already stored in it. A
+/// memory stream is created here, before either system, since the service would create a file one.
 async fn start_system(
     system: System,
     setup: Setup<'_>,
@@ -900,11 +900,10 @@ async fn start_system(
             let relay = Box::pin(start_system(System::Relay, setup, config, admin, true)).await?;
             Ok(Running::Paired(Box::new(service), Box::new(relay)))
         }
-        System::Service if service_bin.is_some() => {
-            let bin = service_bin.expect("checked by the guard");
-            Ok(Running::Process(ServiceProcess::start(bin, config).await?))
-        }
         System::Service => {
+            if let Some(bin) = service_bin {
+                return Ok(Running::Process(ServiceProcess::start(bin, config).await?));
+            }
             let service = RunningService::start(config.clone()).await.map_err(|e| anyhow!("service start: {e}"))?;
             let deadline = Instant::now() + Duration::from_secs(10);
             while !service.is_ready() {
