@@ -708,11 +708,9 @@ impl ServiceProcess {
     }
 
     async fn stop(mut self) -> Result<()> {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill").args(["-TERM", &pid]).status().context("kill -TERM")?;
-        if !sent.success() {
-            bail!("kill -TERM {pid}: {sent}");
-        }
+        let pid = rustix::process::Pid::from_child(&self.child);
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+            .with_context(|| format!("sending SIGTERM to the service process {}", self.child.id()))?;
         let deadline = Instant::now() + self.exit_within;
         loop {
             if let Some(status) = self.child.try_wait()? {
