@@ -1216,8 +1216,8 @@ fn build_context_allows(path: &str) -> bool {
     included
 }
 
-/// `deploy/pgo-build.sh` (what the Dockerfile runs with `--build-arg PGO=1`) drives the load tool
-/// with command-line flags that must exist there: a renamed flag would otherwise show only in a
+/// `deploy/pgo-build.sh` (what the Dockerfile runs by default, `PGO=1`) drives the load tool with
+/// command-line flags that must exist there: a renamed flag would otherwise show only in a
 /// profile-guided image build, which no test here runs.
 #[test]
 fn pgo_build_script_passes_the_load_tool_only_flags_it_knows() {
@@ -1234,7 +1234,10 @@ fn pgo_build_script_passes_the_load_tool_only_flags_it_knows() {
     assert!(runs.iter().all(|r| r.contains("--service-bin \"$instrumented\"")), "training runs the binary: {runs:?}");
     let mode = std::fs::metadata(repo().join("deploy/pgo-build.sh")).unwrap().permissions().mode();
     assert_ne!(mode & 0o111, 0, "deploy/pgo-build.sh must be executable");
-    assert!(read("deploy/Dockerfile").contains("deploy/pgo-build.sh /out/structured-sink"));
+    let dockerfile = read("deploy/Dockerfile");
+    assert!(dockerfile.contains("deploy/pgo-build.sh /out/structured-sink"));
+    // The image ships the optimised build unless asked otherwise (README, Deployment).
+    assert!(dockerfile.lines().any(|l| l.trim() == "ARG PGO=1"), "the image builds with PGO by default");
 }
 
 #[test]
