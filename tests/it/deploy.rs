@@ -1216,24 +1216,36 @@ fn build_context_allows(path: &str) -> bool {
     included
 }
 
-/// `deploy/pgo-build.sh` (what the Dockerfile runs by default, `PGO=1`) drives the load tool with
-/// command-line flags that must exist there: a renamed flag would otherwise show only in a
-/// profile-guided image build, which no test here runs.
+/// `deploy/pgo-build.sh` (what the Dockerfile runs by default, `PGO=1`) and
+/// `deploy/image-check.sh` drive the load tool with command-line flags that must exist there: a
+/// renamed flag would otherwise show only in an image build, which no test here runs.
 #[test]
-fn pgo_build_script_passes_the_load_tool_only_flags_it_knows() {
+fn image_scripts_pass_the_load_tool_only_flags_it_knows() {
     use std::os::unix::fs::PermissionsExt;
-    let script = read("deploy/pgo-build.sh");
     let bench = read("benches/e2e.rs");
-    let runs: Vec<&str> = script.lines().map(str::trim).filter(|l| l.starts_with("\"$e2e\"")).collect();
-    assert!(runs.len() >= 2, "a core and a JetStream training run: {runs:?}");
-    for run in &runs {
-        for flag in run.split_whitespace().filter(|w| w.starts_with("--")) {
-            assert!(bench.contains(&format!("\"{flag}\" =>")), "benches/e2e.rs does not parse {flag} ({run})");
+    let load_tool_runs = |path: &str| -> Vec<String> {
+        let script = read(path);
+        let runs: Vec<String> =
+            script.lines().map(str::trim).filter(|l| l.starts_with("\"$e2e\"")).map(str::to_owned).collect();
+        for run in &runs {
+            for flag in run.split_whitespace().filter(|w| w.starts_with("--")) {
+                assert!(
+                    bench.contains(&format!("\"{flag}\" =>")),
+                    "benches/e2e.rs does not parse {flag} ({path}: {run})"
+                );
+            }
+            // Only the training mode fails on a lost or duplicated output; a plain bench run reports it.
+            assert!(run.contains("--profile-service"), "{path}: {run} must fail on a broken run");
         }
-    }
+        let mode = std::fs::metadata(repo().join(path)).unwrap().permissions().mode();
+        assert_ne!(mode & 0o111, 0, "{path} must be executable");
+        runs
+    };
+    let runs = load_tool_runs("deploy/pgo-build.sh");
+    assert!(runs.len() >= 2, "a core and a JetStream training run: {runs:?}");
     assert!(runs.iter().all(|r| r.contains("--service-bin \"$instrumented\"")), "training runs the binary: {runs:?}");
-    let mode = std::fs::metadata(repo().join("deploy/pgo-build.sh")).unwrap().permissions().mode();
-    assert_ne!(mode & 0o111, 0, "deploy/pgo-build.sh must be executable");
+    let runs = load_tool_runs("deploy/image-check.sh");
+    assert!(runs.iter().all(|r| r.contains("--service-bin \"$self\"")), "the check runs the image: {runs:?}");
     let dockerfile = read("deploy/Dockerfile");
     assert!(dockerfile.contains("deploy/pgo-build.sh /out/structured-sink"));
     // The image ships the optimised build unless asked otherwise (README, Deployment).

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+#
+# Builds the image with buildah and runs it under the end-to-end load tool, for machines without a
+# Docker daemon: the image's binary, started by podman with the load tool's configuration, must
+# deliver every predicted output of a core-NATS run and a JetStream run, once each, and exit 0 on
+# SIGTERM (`podman run` passes the signal on).
+#
+#     deploy/image-check.sh [--stand-ins] [-- BUILDAH_BUD_ARGS...]        (as root)
+#
+# e.g. `deploy/image-check.sh -- --build-arg PGO=0` for the plain build.
+#
+# --stand-ins first makes local stand-ins for the two base images, for machines that cannot pull
+# them: `rust:1.95-bookworm` (Debian bookworm minbase from debootstrap, a C toolchain and
+# ca-certificates with this machine's extra certificate authorities, Rust installed by
+# rustup-init as the official image installs it) and `localhost/structured-sink-standin/runtime`
+# (bookworm minbase with tzdata and user 65532, in place of distroless cc, which has no shell).
+# The official builder has more (procps among others); the stand-in has only what the build needs.
+#
+# Needs buildah, podman with runc, nats-server and cargo; debootstrap and curl with --stand-ins.
+set -euo pipefail
+
+# Wrapper mode: the load tool runs its `--service-bin` as `BIN --config FILE serve`; this script
+# is that binary, and runs the image instead. The image's user (65532) must read the file: a
+# readable copy is mounted at the same path. runc, cgroupfs and explicit ulimits let it run in
+# sandboxes where crun or podman's defaults are refused; they are harmless elsewhere.
+if [ "${1:-}" = --config ]; then
+    copy=$(mktemp /tmp/image-check-config-XXXXXX.toml)
+    cp "$2" "$copy"
+    chmod 0644 "$copy"
+    exec podman --runtime runc --cgroup-manager=cgroupfs run --rm --network host \
+        --ulimit nofile=20000:20000 --ulimit nproc=1000:1000 --no-healthcheck \
+        -v "$copy:$2:ro" "$IMAGE_CHECK_IMAGE" "$@"
+fi
+
+cd "$(dirname "$0")/.."
+rust_version=$(sed -n 's/^ARG RUST_VERSION=//p' deploy/Dockerfile)
+tag=localhost/structured-sink:check
+runtime_args=()
+step() { echo "image-check: $*" >&2; }
+
+if [ "${1:-}" = --stand-ins ]; then
+    shift
+    work=$(mktemp -d /tmp/image-check-rootfs-XXXXXX)
+    step "stand-in for rust:$rust_version-bookworm"
+    debootstrap --variant=minbase --include=ca-certificates,gcc,libc6-dev,make,curl,pkg-config \
+        bookworm "$work/builder" http://deb.debian.org/debian >/dev/null
+    # Certificate authorities this machine adds (an egress proxy's), so that the build can fetch.
+    cp -r /usr/local/share/ca-certificates/. "$work/builder/usr/local/share/ca-certificates/"
+    chroot "$work/builder" update-ca-certificates >/dev/null
+    cp /etc/resolv.conf "$work/builder/etc/resolv.conf"
+    curl -sSfo "$work/builder/tmp/rustup-init" https://static.rust-lang.org/rustup/dist/x86_64-unknown-linux-gnu/rustup-init
+    chmod +x "$work/builder/tmp/rustup-init"
+    mount -t proc proc "$work/builder/proc" # rustup-init reads /proc/self/exe
+    trap 'umount "$work/builder/proc" 2>/dev/null || true' EXIT
+    env -i PATH=/usr/local/cargo/bin:/usr/sbin:/usr/bin:/sbin:/bin RUSTUP_HOME=/usr/local/rustup \
+        CARGO_HOME=/usr/local/cargo chroot "$work/builder" /tmp/rustup-init -y --no-modify-path \
+        --profile minimal --default-toolchain "$rust_version"
+    umount "$work/builder/proc"
+    rm "$work/builder/tmp/rustup-init"
+    chmod -R a+w "$work/builder/usr/local/rustup" "$work/builder/usr/local/cargo"
+    tar -C "$work/builder" -c . | podman import \
+        --change 'ENV PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV RUSTUP_HOME=/usr/local/rustup' --change 'ENV CARGO_HOME=/usr/local/cargo' \
+        - "docker.io/library/rust:$rust_version-bookworm" >/dev/null
+    step "stand-in for the distroless runtime"
+    debootstrap --variant=minbase --include=ca-certificates,tzdata bookworm "$work/runtime" \
+        http://deb.debian.org/debian >/dev/null
+    echo 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' >>"$work/runtime/etc/passwd"
+    echo 'nonroot:x:65532:' >>"$work/runtime/etc/group"
+    tar -C "$work/runtime" -c . | podman import - localhost/structured-sink-standin/runtime >/dev/null
+    rm -rf "$work"
+fi
+[ "${1:-}" = -- ] && shift
+# Stand-ins made by an earlier run are used; else buildah pulls what is missing.
+if podman image exists localhost/structured-sink-standin/runtime; then
+    runtime_args=(--build-arg RUNTIME_IMAGE=localhost/structured-sink-standin/runtime)
+fi
+
+step "building $tag"
+buildah bud --isolation chroot --format docker --layers -f deploy/Dockerfile \
+    --ignorefile deploy/Dockerfile.dockerignore -t "$tag" "${runtime_args[@]}" "$@" .
+
+e2e=$(cargo build --release --locked --bench e2e --message-format=json \
+    | sed -n 's/.*"executable":"\([^"]*\/e2e-[0-9a-f]*\)".*/\1/p' | tail -n 1)
+export IMAGE_CHECK_IMAGE=$tag
+self=$(realpath "$0")
+for mode in core jetstream; do
+    step "the image under the load tool, $mode"
+    # `--profile-service`: the service's rounds only (no relay), and any output missing,
+    # duplicated, unexpected or dead-lettered fails the run, as in deploy/pgo-build.sh's training.
+    "$e2e" --bench --service-bin "$self" --profile-service --idle-streams 0 --quick --rounds 1 --mode "$mode"
+done
+rm -f /tmp/image-check-config-*.toml
+step "passed: $tag"
