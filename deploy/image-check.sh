@@ -37,6 +37,16 @@ rust_version=$(sed -n 's/^ARG RUST_VERSION=//p' deploy/Dockerfile)
 tag=localhost/structured-sink:check
 runtime_args=()
 step() { echo "image-check: $*" >&2; }
+work=
+# The wrapper's configuration copies, and with --stand-ins the root file systems being made.
+cleanup() {
+    rm -f /tmp/image-check-config-*.toml
+    if [ -n "$work" ]; then
+        umount "$work/builder/proc" 2>/dev/null || true
+        rm -rf "$work"
+    fi
+}
+trap cleanup EXIT
 
 if [ "${1:-}" = --stand-ins ]; then
     shift
@@ -51,7 +61,6 @@ if [ "${1:-}" = --stand-ins ]; then
     curl -sSfo "$work/builder/tmp/rustup-init" https://static.rust-lang.org/rustup/dist/x86_64-unknown-linux-gnu/rustup-init
     chmod +x "$work/builder/tmp/rustup-init"
     mount -t proc proc "$work/builder/proc" # rustup-init reads /proc/self/exe
-    trap 'umount "$work/builder/proc" 2>/dev/null || true' EXIT
     env -i PATH=/usr/local/cargo/bin:/usr/sbin:/usr/bin:/sbin:/bin RUSTUP_HOME=/usr/local/rustup \
         CARGO_HOME=/usr/local/cargo chroot "$work/builder" /tmp/rustup-init -y --no-modify-path \
         --profile minimal --default-toolchain "$rust_version"
@@ -68,7 +77,6 @@ if [ "${1:-}" = --stand-ins ]; then
     echo 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' >>"$work/runtime/etc/passwd"
     echo 'nonroot:x:65532:' >>"$work/runtime/etc/group"
     tar -C "$work/runtime" -c . | podman import - localhost/structured-sink-standin/runtime >/dev/null
-    rm -rf "$work"
 fi
 [ "${1:-}" = -- ] && shift
 # Stand-ins made by an earlier run are used; else buildah pulls what is missing.
@@ -90,5 +98,4 @@ for mode in core jetstream; do
     # duplicated, unexpected or dead-lettered fails the run, as in deploy/pgo-build.sh's training.
     "$e2e" --bench --service-bin "$self" --profile-service --idle-streams 0 --quick --rounds 1 --mode "$mode"
 done
-rm -f /tmp/image-check-config-*.toml
 step "passed: $tag"

@@ -7,7 +7,7 @@ use std::time::Duration;
 use prost::Message as _;
 use structured_sink::codec::proto;
 
-use crate::support::{find_nats_server, NatsServer};
+use crate::support::{find_nats_server, sigterm, NatsServer};
 
 fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
@@ -131,8 +131,7 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
         .unwrap();
     client.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    sigterm(&child).expect("SIGTERM to serve");
     let status = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
     let mut last = None;
@@ -166,8 +165,7 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
     client.flush().await.unwrap();
     let child = serve(&url).env("RUST_LOG", "trace").spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
-    let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    sigterm(&child).expect("SIGTERM to serve");
     let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(ready, "the service never answered: {logs}");

@@ -1245,6 +1245,7 @@ fn image_scripts_pass_the_load_tool_only_flags_it_knows() {
     assert!(runs.len() >= 2, "a core and a JetStream training run: {runs:?}");
     assert!(runs.iter().all(|r| r.contains("--service-bin \"$instrumented\"")), "training runs the binary: {runs:?}");
     let runs = load_tool_runs("deploy/image-check.sh");
+    assert!(!runs.is_empty(), "deploy/image-check.sh runs the load tool");
     assert!(runs.iter().all(|r| r.contains("--service-bin \"$self\"")), "the check runs the image: {runs:?}");
     let dockerfile = read("deploy/Dockerfile");
     assert!(dockerfile.contains("deploy/pgo-build.sh /out/structured-sink"));

@@ -13,7 +13,7 @@ use structured_sink::codec::proto;
 use structured_sink::service::RunningService;
 
 use crate::service::{collect, test_config};
-use crate::support::NatsServer;
+use crate::support::{sigterm, NatsServer};
 
 fn partial(id: &str, delta: &str) -> String {
     json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string()
@@ -377,7 +377,7 @@ fn rss(pid: u32) -> u64 {
 }
 
 fn stop(mut child: Child) {
-    let _ = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+    let _ = sigterm(&child);
     let deadline = Instant::now() + Duration::from_secs(30);
     while child.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "serve did not stop on SIGTERM");

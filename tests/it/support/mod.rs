@@ -23,3 +23,10 @@ mod pki;
 
 pub use nats_server::{find_nats_server, NatsCluster, NatsServer, NatsServerBuilder};
 pub use pki::TestPki;
+
+/// Sends SIGTERM to `child`, as an orchestrator stops the service, without a `kill` program
+/// (the load tool in `benches/e2e.rs` stops its service process the same way).
+pub fn sigterm(child: &std::process::Child) -> std::io::Result<()> {
+    rustix::process::kill_process(rustix::process::Pid::from_child(child), rustix::process::Signal::TERM)?;
+    Ok(())
+}
