@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 #
-# Builds the image with buildah and runs it under the end-to-end load tool, for machines without a
-# Docker daemon: the image's binary, started by podman with the load tool's configuration, must
-# deliver every predicted output of a core-NATS run and a JetStream run, once each, and exit 0 on
-# SIGTERM (`podman run` passes the signal on).
+# Builds the image and runs it under the end-to-end load tool: the image's binary, started in a
+# container with the load tool's configuration, must deliver every predicted output of a
+# core-NATS run and a JetStream run, once each, and exit 0 on SIGTERM (`podman run` and
+# `docker run` pass the signal on).
 #
-#     deploy/image-check.sh [--stand-ins] [-- BUILDAH_BUD_ARGS...]        (as root)
+#     deploy/image-check.sh [--docker] [--stand-ins] [-- BUILD_ARGS...]        (as root)
 #
 # e.g. `deploy/image-check.sh -- --build-arg PGO=0` for the plain build.
+#
+# Two engines:
+#   default   buildah builds (given deploy/Dockerfile.dockerignore with --ignorefile) and podman
+#             runs: for machines without a Docker daemon;
+#   --docker  the Docker daemon builds (`docker build` with BuildKit, which reads the ignore file
+#             and the cache mounts itself, as operators build) and runs. `DOCKER` names the
+#             client (default `docker`); it must be able to build with BuildKit (Docker 23 or
+#             later with the buildx component, or a Docker 20.10 client).
 #
 # --stand-ins first makes local stand-ins for the two base images, for machines that cannot pull
 # them: `rust:1.95-bookworm` (Debian bookworm minbase from debootstrap, a C toolchain and
@@ -16,17 +24,22 @@
 # (bookworm minbase with tzdata and user 65532, in place of distroless cc, which has no shell).
 # The official builder has more (procps among others); the stand-in has only what the build needs.
 #
-# Needs buildah, podman with runc, nats-server and cargo; debootstrap and curl with --stand-ins.
+# Needs nats-server and cargo, and buildah and podman with runc (default) or a Docker daemon
+# (--docker); debootstrap and curl with --stand-ins.
 set -euo pipefail
 
 # Wrapper mode: the load tool runs its `--service-bin` as `BIN --config FILE serve`; this script
 # is that binary, and runs the image instead. The image's user (65532) must read the file: a
-# readable copy is mounted at the same path. runc, cgroupfs and explicit ulimits let it run in
-# sandboxes where crun or podman's defaults are refused; they are harmless elsewhere.
+# readable copy is mounted at the same path. runc, cgroupfs and explicit ulimits let podman run in
+# sandboxes where crun or its defaults are refused; they are harmless elsewhere.
 if [ "${1:-}" = --config ]; then
     copy=$(mktemp /tmp/image-check-config-XXXXXX.toml)
     cp "$2" "$copy"
     chmod 0644 "$copy"
+    if [ "${IMAGE_CHECK_ENGINE:-podman}" = docker ]; then
+        exec "${DOCKER:-docker}" run --rm --network host --ulimit nofile=20000:20000 --no-healthcheck \
+            -v "$copy:$2:ro" "$IMAGE_CHECK_IMAGE" "$@"
+    fi
     exec podman --runtime runc --cgroup-manager=cgroupfs run --rm --network host \
         --ulimit nofile=20000:20000 --ulimit nproc=1000:1000 --no-healthcheck \
         -v "$copy:$2:ro" "$IMAGE_CHECK_IMAGE" "$@"
@@ -35,8 +48,37 @@ fi
 cd "$(dirname "$0")/.."
 rust_version=$(sed -n 's/^ARG RUST_VERSION=//p' deploy/Dockerfile)
 tag=localhost/structured-sink:check
-runtime_args=()
+standin_runtime=localhost/structured-sink-standin/runtime
+engine=podman
+stand_ins=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --docker) engine=docker ;;
+        --stand-ins) stand_ins=1 ;;
+        --) shift; break ;;
+        *) echo "image-check: unknown argument $1 (usage: image-check.sh [--docker] [--stand-ins] [-- BUILD_ARGS...])" >&2; exit 2 ;;
+    esac
+    shift
+done
+docker=${DOCKER:-docker}
 step() { echo "image-check: $*" >&2; }
+# A root file system as an image of the engine's, with Dockerfile instructions such as `ENV`.
+import_image() {
+    local dir=$1 name=$2
+    shift 2
+    if [ "$engine" = docker ]; then
+        tar -C "$dir" -c . | "$docker" import "$@" - "$name" >/dev/null
+    else
+        tar -C "$dir" -c . | podman import "$@" - "$name" >/dev/null
+    fi
+}
+image_exists() {
+    if [ "$engine" = docker ]; then
+        "$docker" image inspect "$1" >/dev/null 2>&1
+    else
+        podman image exists "$1"
+    fi
+}
 work=
 # The wrapper's configuration copies, and with --stand-ins the root file systems being made.
 cleanup() {
@@ -48,8 +90,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-if [ "${1:-}" = --stand-ins ]; then
-    shift
+if [ -n "$stand_ins" ]; then
     work=$(mktemp -d /tmp/image-check-rootfs-XXXXXX)
     step "stand-in for rust:$rust_version-bookworm"
     debootstrap --variant=minbase --include=ca-certificates,gcc,libc6-dev,make,curl,pkg-config \
@@ -67,30 +108,33 @@ if [ "${1:-}" = --stand-ins ]; then
     umount "$work/builder/proc"
     rm "$work/builder/tmp/rustup-init"
     chmod -R a+w "$work/builder/usr/local/rustup" "$work/builder/usr/local/cargo"
-    tar -C "$work/builder" -c . | podman import \
+    import_image "$work/builder" "docker.io/library/rust:$rust_version-bookworm" \
         --change 'ENV PATH=/usr/local/cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        --change 'ENV RUSTUP_HOME=/usr/local/rustup' --change 'ENV CARGO_HOME=/usr/local/cargo' \
-        - "docker.io/library/rust:$rust_version-bookworm" >/dev/null
+        --change 'ENV RUSTUP_HOME=/usr/local/rustup' --change 'ENV CARGO_HOME=/usr/local/cargo'
     step "stand-in for the distroless runtime"
     debootstrap --variant=minbase --include=ca-certificates,tzdata bookworm "$work/runtime" \
         http://deb.debian.org/debian >/dev/null
     echo 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' >>"$work/runtime/etc/passwd"
     echo 'nonroot:x:65532:' >>"$work/runtime/etc/group"
-    tar -C "$work/runtime" -c . | podman import - localhost/structured-sink-standin/runtime >/dev/null
+    import_image "$work/runtime" "$standin_runtime"
 fi
-[ "${1:-}" = -- ] && shift
-# Stand-ins made by an earlier run are used; else buildah pulls what is missing.
-if podman image exists localhost/structured-sink-standin/runtime; then
-    runtime_args=(--build-arg RUNTIME_IMAGE=localhost/structured-sink-standin/runtime)
+# Stand-ins made by an earlier run are used; else the engine pulls what is missing.
+runtime_args=()
+if image_exists "$standin_runtime"; then
+    runtime_args=(--build-arg "RUNTIME_IMAGE=$standin_runtime")
 fi
 
-step "building $tag"
-buildah bud --isolation chroot --format docker --layers -f deploy/Dockerfile \
-    --ignorefile deploy/Dockerfile.dockerignore -t "$tag" "${runtime_args[@]}" "$@" .
+step "building $tag with $engine"
+if [ "$engine" = docker ]; then
+    DOCKER_BUILDKIT=1 "$docker" build -f deploy/Dockerfile -t "$tag" "${runtime_args[@]}" "$@" .
+else
+    buildah bud --isolation chroot --format docker --layers -f deploy/Dockerfile \
+        --ignorefile deploy/Dockerfile.dockerignore -t "$tag" "${runtime_args[@]}" "$@" .
+fi
 
 e2e=$(cargo build --release --locked --bench e2e --message-format=json \
     | sed -n 's/.*"executable":"\([^"]*\/e2e-[0-9a-f]*\)".*/\1/p' | tail -n 1)
-export IMAGE_CHECK_IMAGE=$tag
+export IMAGE_CHECK_IMAGE=$tag IMAGE_CHECK_ENGINE=$engine DOCKER=$docker
 self=$(realpath "$0")
 for mode in core jetstream; do
     step "the image under the load tool, $mode"
@@ -98,4 +142,4 @@ for mode in core jetstream; do
     # duplicated, unexpected or dead-lettered fails the run, as in deploy/pgo-build.sh's training.
     "$e2e" --bench --service-bin "$self" --profile-service --idle-streams 0 --quick --rounds 1 --mode "$mode"
 done
-step "passed: $tag"
+step "passed: $tag ($engine)"
