@@ -1175,6 +1175,20 @@ fn docker_build_where_possible() {
         eprintln!("docker found but its daemon is not reachable (`docker info` failed): image not built");
         return;
     }
+    // Docker 23 and later build with BuildKit only through the buildx component; a client
+    // without it refuses every BuildKit build, whatever the Dockerfile (20.10 clients build
+    // without it).
+    let buildx = Command::new(&docker).args(["buildx", "version"]).output();
+    let client = Command::new(&docker).args(["version", "--format", "{{.Client.Version}}"]).output();
+    let major =
+        client.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).split('.').next()?.trim().parse::<u32>().ok());
+    if !buildx.is_ok_and(|o| o.status.success()) && major.is_some_and(|m| m >= 23) {
+        eprintln!(
+            "{}: a Docker client of 23 or later without buildx cannot build with BuildKit: image not built",
+            docker.display()
+        );
+        return;
+    }
     let tag = "structured-sink:deploy-test";
     // Plainly built: this checks the image's layout and entry points in one release build's time.
     // The default profile-guided build takes three, and deploy/image-check.sh runs it under load.
