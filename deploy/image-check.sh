@@ -61,23 +61,15 @@ while [ $# -gt 0 ]; do
     shift
 done
 docker=${DOCKER:-docker}
+# The engine's client for images: both take `import [--change ...] - NAME` and `image inspect`.
+client=podman
+[ "$engine" = docker ] && client=$docker
 step() { echo "image-check: $*" >&2; }
-# A root file system as an image of the engine's, with Dockerfile instructions such as `ENV`.
+# A root file system as an image, with Dockerfile instructions such as `ENV` (`--change`).
 import_image() {
     local dir=$1 name=$2
     shift 2
-    if [ "$engine" = docker ]; then
-        tar -C "$dir" -c . | "$docker" import "$@" - "$name" >/dev/null
-    else
-        tar -C "$dir" -c . | podman import "$@" - "$name" >/dev/null
-    fi
-}
-image_exists() {
-    if [ "$engine" = docker ]; then
-        "$docker" image inspect "$1" >/dev/null 2>&1
-    else
-        podman image exists "$1"
-    fi
+    tar -C "$dir" -c . | "$client" import "$@" - "$name" >/dev/null
 }
 work=
 # The wrapper's configuration copies, and with --stand-ins the root file systems being made.
@@ -120,7 +112,7 @@ if [ -n "$stand_ins" ]; then
 fi
 # Stand-ins made by an earlier run are used; else the engine pulls what is missing.
 runtime_args=()
-if image_exists "$standin_runtime"; then
+if "$client" image inspect "$standin_runtime" >/dev/null 2>&1; then
     runtime_args=(--build-arg "RUNTIME_IMAGE=$standin_runtime")
 fi
 
