@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -35,7 +35,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use structured_sink::config::{Config, PartitionMode};
 
-use crate::support::{find_nats_server, NatsServer};
+use crate::support::{find_nats_server, find_on_path, NatsServer};
 
 const CHART: &str = "helm/structured-sink";
 /// The release name the plain manifests in `deploy/k8s` were rendered with.
@@ -113,14 +113,6 @@ fn plain_manifests() -> BTreeMap<String, Value> {
 
 fn is_template(path: &str) -> bool {
     path.starts_with(&format!("{CHART}/templates/"))
-}
-
-fn find_on_path(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(name))
-        .find(|candidate| candidate.is_file())
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 //! `nats-server` on a random port (see `support`).
 
 mod cli;
+mod compose;
 mod deploy;
 mod harness;
 mod hostile;

@@ -21,8 +21,17 @@ mod container;
 mod nats_server;
 mod pki;
 
-pub use nats_server::{find_nats_server, NatsCluster, NatsServer, NatsServerBuilder};
+pub use nats_server::{find_nats_server, free_ports, http_get, NatsCluster, NatsServer, NatsServerBuilder};
 pub use pki::TestPki;
+
+/// The first file called `name` in a directory of `PATH`.
+pub fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
 
 /// Sends SIGTERM to `child`, as an orchestrator stops the service, without a `kill` program
 /// (the load tool in `benches/e2e.rs` stops its service process the same way).

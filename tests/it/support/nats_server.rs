@@ -608,7 +608,7 @@ impl NatsCluster {
 }
 
 /// `count` distinct loopback ports that were free a moment ago.
-fn free_ports(count: usize) -> Vec<u16> {
+pub fn free_ports(count: usize) -> Vec<u16> {
     // Holding every listener until all are chosen keeps the ports distinct.
     let listeners: Vec<TcpListener> =
         (0..count).map(|_| TcpListener::bind((LOOPBACK, 0)).expect("bind a loopback port")).collect();
@@ -625,7 +625,7 @@ fn read_info(port: u16) -> Option<serde_json::Value> {
 }
 
 /// A minimal HTTP/1.0 GET on loopback: the status code and the body.
-fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&SocketAddr::from((LOOPBACK, port)), PROBE_TIMEOUT).ok()?;
     stream.set_read_timeout(Some(PROBE_TIMEOUT)).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {LOOPBACK}\r\n\r\n").ok()?;
