@@ -148,14 +148,20 @@ pub fn write_publication(out: &mut impl Write, p: &Publication, pool: &Descripto
 /// The proto3 JSON form (proto field names) of a publication's message. `pool` must know the
 /// message type and any type inside its `Any` fields ([`SchemaRegistry::descriptor_pool`]).
 pub fn publication_json(p: &Publication, pool: &DescriptorPool) -> io::Result<serde_json::Value> {
+    message_json(pool, p.type_name, &p.payload)
+}
+
+/// The proto3 JSON form (proto field names) of a message of type `type_name` (an output's
+/// `Structured-Sink-Type` header) encoded in `payload`; a forwarded geppetto event is JSON already.
+/// How a downstream handler sees what replay shows.
+pub fn message_json(pool: &DescriptorPool, type_name: &str, payload: &[u8]) -> io::Result<serde_json::Value> {
     let invalid = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
-    if p.type_name == GEPPETTO_EVENT_TYPE {
-        return serde_json::from_slice(&p.payload).map_err(|e| invalid(e.to_string()));
+    if type_name == GEPPETTO_EVENT_TYPE {
+        return serde_json::from_slice(payload).map_err(|e| invalid(e.to_string()));
     }
-    let descriptor = pool
-        .get_message_by_name(p.type_name)
-        .ok_or_else(|| invalid(format!("unknown message type {}", p.type_name)))?;
-    let message = DynamicMessage::decode(descriptor, p.payload.clone()).map_err(|e| invalid(e.to_string()))?;
+    let descriptor =
+        pool.get_message_by_name(type_name).ok_or_else(|| invalid(format!("unknown message type {type_name}")))?;
+    let message = DynamicMessage::decode(descriptor, payload).map_err(|e| invalid(e.to_string()))?;
     let options = SerializeOptions::new().use_proto_field_name(true);
     message.serialize_with_options(serde_json::value::Serializer, &options).map_err(|e| invalid(e.to_string()))
 }

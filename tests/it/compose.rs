@@ -16,16 +16,17 @@
 //! one release build, cached by BuildKit after the first run.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use futures::StreamExt;
-use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 use serde_json::{json, Value};
 use structured_sink::config::Config;
+use structured_sink::replay::message_json;
+use structured_sink::service::TYPE_HEADER;
 
-use crate::support::{find_on_path, free_ports, http_get};
+use crate::support::{docker_with_daemon, free_ports, http_get, repo};
 
 /// Messages in the workload, published round-robin as many agents at once.
 const MESSAGES: usize = 200;
@@ -33,15 +34,10 @@ const MESSAGES: usize = 200;
 const COMPOSE_OVERRIDE_SINCE: (u32, u32, u32) = (2, 24, 4);
 /// How long every final may take to arrive once the last event is published.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(180);
-const TYPE_HEADER: &str = "Structured-Sink-Type";
 
 /// A Docker client whose daemon answers and whose Compose reads `!override`, or why not.
 fn docker_with_compose() -> Result<PathBuf, String> {
-    let docker = find_on_path("docker").ok_or("docker not found on PATH")?;
-    let info = Command::new(&docker).arg("info").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !info.is_ok_and(|s| s.success()) {
-        return Err(format!("{}: the daemon is not reachable (`docker info` failed)", docker.display()));
-    }
+    let docker = docker_with_daemon()?;
     let version = Command::new(&docker).args(["compose", "version", "--short"]).output();
     let version = version.ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
     let Some(version) = version else {
@@ -140,10 +136,6 @@ impl Drop for Stack {
     }
 }
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
 /// Message `i`'s text: prose around a thinking channel, a typed block, a tool call and citations.
 fn text_of(i: usize) -> String {
     format!(
@@ -210,14 +202,6 @@ fn replayed(config: &Config, input: &str) -> Outputs {
     outputs
 }
 
-/// A received output as replay shows it: the proto3 JSON form with proto field names.
-fn as_json(pool: &DescriptorPool, type_name: &str, payload: &[u8]) -> Value {
-    let descriptor = pool.get_message_by_name(type_name).unwrap_or_else(|| panic!("unknown type {type_name}"));
-    let message = DynamicMessage::decode(descriptor, payload).unwrap();
-    let options = SerializeOptions::new().use_proto_field_name(true);
-    message.serialize_with_options(serde_json::value::Serializer, &options).unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Docker daemon and Docker Compose 2.24.4+: cargo test --test it compose -- --ignored"]
 async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restart() {
@@ -257,7 +241,8 @@ async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restar
                 let headers = message.headers.as_ref().expect("outputs carry headers");
                 let type_name = headers.get(TYPE_HEADER).expect("the type header").as_str();
                 let id = headers.get("Nats-Msg-Id").expect("a message id").as_str().to_owned();
-                let output = (message.subject.to_string(), as_json(&pool, type_name, &message.payload));
+                let json = message_json(&pool, type_name, &message.payload).expect("an output replay can show");
+                let output = (message.subject.to_string(), json);
                 if let Some(first) = first_copies.get(&id) {
                     assert_eq!(first, &output, "a republished output differs from its first copy ({id})");
                     republished += 1;

@@ -27,7 +27,7 @@ use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -35,7 +35,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use structured_sink::config::{Config, PartitionMode};
 
-use crate::support::{find_nats_server, find_on_path, NatsServer};
+use crate::support::{docker_with_daemon, find_nats_server, find_on_path, repo, NatsServer};
 
 const CHART: &str = "helm/structured-sink";
 /// The release name the plain manifests in `deploy/k8s` were rendered with.
@@ -46,10 +46,6 @@ const DEBIAN_BINARY: &str = "/usr/sbin/nats-server";
 
 // ---------------------------------------------------------------------------------------------
 // Files
-
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
 
 fn read(relative: &str) -> String {
     std::fs::read_to_string(repo().join(relative)).unwrap_or_else(|e| panic!("cannot read {relative}: {e}"))
@@ -1158,15 +1154,13 @@ fn dockerfile_builds_a_small_non_root_image_with_a_shell_less_health_check() {
 
 /// Builds the image and runs `config` in it when a Docker daemon answers.
 fn docker_build_where_possible() {
-    let Some(docker) = find_on_path("docker") else {
-        eprintln!("docker not found on PATH: image not built (`docker build -f deploy/Dockerfile .` not run)");
-        return;
+    let docker = match docker_with_daemon() {
+        Ok(docker) => docker,
+        Err(why) => {
+            eprintln!("{why}: image not built (`docker build -f deploy/Dockerfile .` not run)");
+            return;
+        }
     };
-    let info = Command::new(&docker).arg("info").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    if !info.is_ok_and(|s| s.success()) {
-        eprintln!("docker found but its daemon is not reachable (`docker info` failed): image not built");
-        return;
-    }
     // Docker 23 and later build with BuildKit only through the buildx component; a client
     // without it refuses every BuildKit build, whatever the Dockerfile (20.10 clients build
     // without it).

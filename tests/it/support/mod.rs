@@ -24,6 +24,25 @@ mod pki;
 pub use nats_server::{find_nats_server, free_ports, http_get, NatsCluster, NatsServer, NatsServerBuilder};
 pub use pki::TestPki;
 
+/// The repository's root.
+pub fn repo() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A `docker` client on PATH whose daemon answers, or why not.
+pub fn docker_with_daemon() -> Result<std::path::PathBuf, String> {
+    let docker = find_on_path("docker").ok_or("docker not found on PATH")?;
+    let info = std::process::Command::new(&docker)
+        .arg("info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status();
+    if !info.is_ok_and(|s| s.success()) {
+        return Err(format!("{}: the daemon is not reachable (`docker info` failed)", docker.display()));
+    }
+    Ok(docker)
+}
+
 /// The first file called `name` in a directory of `PATH`.
 pub fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH")
