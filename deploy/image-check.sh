@@ -23,6 +23,10 @@
 # rustup-init as the official image installs it) and `localhost/structured-sink-standin/runtime`
 # (bookworm minbase with tzdata and user 65532, in place of distroless cc, which has no shell).
 # The official builder has more (procps among others); the stand-in has only what the build needs.
+# It also makes `localhost/structured-sink-standin/nats` for the compose stack's NATS image
+# (bookworm minbase with Debian's nats-server as its entry point and busybox's wget for the
+# healthcheck), which the compose test (`tests/it/compose.rs`) uses, with the runtime stand-in,
+# when they are present.
 #
 # Needs nats-server and cargo, and buildah and podman with runc (default) or a Docker daemon
 # (--docker); debootstrap and curl with --stand-ins.
@@ -49,6 +53,7 @@ cd "$(dirname "$0")/.."
 rust_version=$(sed -n 's/^ARG RUST_VERSION=//p' deploy/Dockerfile)
 tag=localhost/structured-sink:check
 standin_runtime=localhost/structured-sink-standin/runtime
+standin_nats=localhost/structured-sink-standin/nats
 engine=podman
 stand_ins=
 while [ $# -gt 0 ]; do
@@ -109,6 +114,11 @@ if [ -n "$stand_ins" ]; then
     echo 'nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin' >>"$work/runtime/etc/passwd"
     echo 'nonroot:x:65532:' >>"$work/runtime/etc/group"
     import_image "$work/runtime" "$standin_runtime"
+    step "stand-in for the compose stack's nats:2.11-alpine"
+    debootstrap --variant=minbase --include=ca-certificates,nats-server,busybox bookworm "$work/nats" \
+        http://deb.debian.org/debian >/dev/null
+    ln -s /bin/busybox "$work/nats/usr/local/bin/wget"
+    import_image "$work/nats" "$standin_nats" --change 'ENTRYPOINT ["/usr/sbin/nats-server"]'
 fi
 # Stand-ins made by an earlier run are used; else the engine pulls what is missing.
 runtime_args=()

@@ -10,10 +10,11 @@
 //! having run). It adds an override file that replaces (`!override`) the stack's host ports with
 //! free loopback ports and its image tag with a test tag, under a project name of its own, so it
 //! neither collides with a local stack (nor with a NATS server on 4222) nor replaces its image.
-//! The base images and `nats:2.11-alpine` must be pullable or present
-//! (`deploy/image-check.sh --stand-ins` makes stand-ins of the two base images; BENCHMARKS.md,
-//! forty-sixth session, has a stand-in for the NATS image). The image is built plainly (`PGO=0`):
-//! one release build, cached by BuildKit after the first run.
+//! The base images and `nats:2.11-alpine` must be pullable or present; where they cannot be
+//! pulled, `deploy/image-check.sh --docker --stand-ins` makes stand-ins for the three of them, and
+//! the override puts the runtime's and NATS's in place of the stack's when they are present (the
+//! builder's stand-in takes the official name itself). The image is built plainly (`PGO=0`): one
+//! release build, cached by BuildKit after the first run.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -26,7 +27,7 @@ use structured_sink::config::Config;
 use structured_sink::replay::message_json;
 use structured_sink::service::TYPE_HEADER;
 
-use crate::support::{docker_with_daemon, free_ports, http_get, repo};
+use crate::support::{docker_has_image, docker_with_daemon, free_ports, http_get, repo, STANDIN_NATS, STANDIN_RUNTIME};
 
 /// Messages in the workload, published round-robin as many agents at once.
 const MESSAGES: usize = 200;
@@ -79,12 +80,26 @@ impl Stack {
         let ports = free_ports(3);
         let (nats_port, metrics_ports) = (ports[0], [ports[1], ports[2]]);
         let image = format!("structured-sink:{project}");
-        let override_file = format!(
-            "services:\n  nats:\n    ports: !override [\"127.0.0.1:{nats_port}:4222\"]\n  sink-0:\n    image: {image}\n    \
-             ports: !override [\"127.0.0.1:{}:9464\"]\n  sink-1:\n    image: {image}\n    ports: !override \
-             [\"127.0.0.1:{}:9464\"]\n",
-            metrics_ports[0], metrics_ports[1]
-        );
+        let (runtime_standin, nats_standin) =
+            (docker_has_image(&docker, STANDIN_RUNTIME), docker_has_image(&docker, STANDIN_NATS));
+        let mut override_file = format!("services:\n  nats:\n    ports: !override [\"127.0.0.1:{nats_port}:4222\"]\n");
+        if nats_standin {
+            override_file += &format!("    image: {STANDIN_NATS}\n");
+        }
+        for (replica, port) in metrics_ports.iter().enumerate() {
+            override_file +=
+                &format!("  sink-{replica}:\n    image: {image}\n    ports: !override [\"127.0.0.1:{port}:9464\"]\n");
+            if runtime_standin {
+                override_file += &format!("    build:\n      args:\n        RUNTIME_IMAGE: {STANDIN_RUNTIME}\n");
+            }
+        }
+        let standins: Vec<&str> = [(runtime_standin, STANDIN_RUNTIME), (nats_standin, STANDIN_NATS)]
+            .into_iter()
+            .filter_map(|(used, name)| used.then_some(name))
+            .collect();
+        if !standins.is_empty() {
+            eprintln!("compose: stand-ins in place of the stack's images: {}", standins.join(", "));
+        }
         std::fs::write(dir.join("override.yaml"), override_file).unwrap();
         Stack { docker, project, dir, nats_port, metrics_ports }
     }

@@ -43,6 +43,22 @@ pub fn docker_with_daemon() -> Result<std::path::PathBuf, String> {
     Ok(docker)
 }
 
+/// The stand-ins `deploy/image-check.sh --docker --stand-ins` makes, for machines that cannot pull
+/// the images they stand for: the runtime base image (the Dockerfile's `RUNTIME_IMAGE`) and the
+/// compose stack's NATS image. The builder's stand-in takes the official name itself.
+pub const STANDIN_RUNTIME: &str = "localhost/structured-sink-standin/runtime";
+pub const STANDIN_NATS: &str = "localhost/structured-sink-standin/nats";
+
+/// Whether the daemon behind `docker` holds `image`.
+pub fn docker_has_image(docker: &std::path::Path, image: &str) -> bool {
+    std::process::Command::new(docker)
+        .args(["image", "inspect", image])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// The first file called `name` in a directory of `PATH`.
 pub fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH")
