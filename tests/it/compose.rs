@@ -27,6 +27,7 @@ use structured_sink::config::Config;
 use structured_sink::replay::message_json;
 use structured_sink::service::TYPE_HEADER;
 
+use crate::scale::replayed;
 use crate::support::{docker_has_image, docker_with_daemon, free_ports, http_get, repo, STANDIN_NATS, STANDIN_RUNTIME};
 
 /// Messages in the workload, published round-robin as many agents at once.
@@ -194,27 +195,13 @@ fn events_of(i: usize, message_id: &str) -> Vec<Value> {
     events
 }
 
-/// A stream's outputs in publish order, keyed by (message id, stream id): (subject, message).
-type Outputs = BTreeMap<(String, String), Vec<(String, Value)>>;
+/// A stream's outputs in publish order, keyed by stream id: (subject, message), as
+/// [`replayed`] predicts them.
+type Outputs = BTreeMap<String, Vec<(String, Value)>>;
 
-fn stream_of(message: &Value) -> (String, String) {
-    let stream = &message["stream"];
-    let field = |name: &str| stream[name].as_str().unwrap_or_default().to_owned();
-    (field("message_id"), field("stream_id"))
-}
-
-/// What the service publishes for `input` (JSON Lines), by replaying it offline.
-fn replayed(config: &Config, input: &str) -> Outputs {
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let summary = structured_sink::replay::replay(config, input.as_bytes(), &mut out, &mut err).unwrap();
-    assert_eq!(summary.rejected, 0, "{}", String::from_utf8_lossy(&err));
-    let mut outputs = Outputs::new();
-    for line in String::from_utf8(out).unwrap().lines() {
-        let record: Value = serde_json::from_str(line).unwrap();
-        let subject = record["subject"].as_str().unwrap().to_owned();
-        outputs.entry(stream_of(&record["message"])).or_default().push((subject, record["message"].clone()));
-    }
-    outputs
+/// An output message's stream field `name` (`message_id`, `stream_id`).
+fn stream_field(message: &Value, name: &str) -> String {
+    message["stream"][name].as_str().unwrap_or_default().to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,12 +215,13 @@ async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restar
     let ids: Vec<String> = (0..MESSAGES).map(|i| format!("compose-{i:04}-{}", std::process::id())).collect();
     let per_message: Vec<Vec<Value>> = ids.iter().enumerate().map(|(i, id)| events_of(i, id)).collect();
     let longest = per_message.iter().map(Vec::len).max().unwrap();
-    let order: Vec<(&str, &Value)> = (0..longest)
-        .flat_map(|k| ids.iter().zip(&per_message).filter_map(move |(id, events)| Some((id.as_str(), events.get(k)?))))
+    let order: Vec<(String, String)> = (0..longest)
+        .flat_map(|k| {
+            ids.iter().zip(&per_message).filter_map(move |(id, events)| Some((id.clone(), events.get(k)?.to_string())))
+        })
         .collect();
-    let input: String = order.iter().map(|(_, event)| format!("{event}\n")).collect();
     let config = Config::default();
-    let expected = replayed(&config, &input);
+    let expected = replayed(&config, &order);
     let expected_total: usize = expected.values().map(Vec::len).sum();
     let pool = config.load_schemas().unwrap().descriptor_pool().clone();
 
@@ -264,9 +252,9 @@ async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restar
                     continue;
                 }
                 if output.0 == "chat.filtered" && output.1["final"] == true {
-                    finals.insert(stream_of(&output.1).0);
+                    finals.insert(stream_field(&output.1, "message_id"));
                 }
-                received.entry(stream_of(&output.1)).or_default().push(output.clone());
+                received.entry(stream_field(&output.1, "stream_id")).or_default().push(output.clone());
                 first_copies.insert(id, output);
                 if finals.len() == MESSAGES {
                     break;
@@ -279,7 +267,7 @@ async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restar
 
     // The agents, at a pace that lets the kill and the restart land mid-stream.
     for (k, (id, event)) in order.iter().enumerate() {
-        client.publish(format!("chat.raw.{id}"), event.to_string().into()).await.unwrap();
+        client.publish(format!("chat.raw.{id}"), event.clone().into()).await.unwrap();
         if k % 2000 == 1999 {
             client.flush().await.unwrap();
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -47,11 +47,13 @@ fn conversation(streams: usize, deltas: usize) -> Vec<(String, String)> {
     events
 }
 
-/// What `replay` publishes for `events`, per stream, in order: (subject, message JSON).
+/// What `replay` publishes for `events`, per stream, in order: (subject, message JSON). Every
+/// event must be one replay accepts.
 pub(crate) fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Vec<(String, Value)>> {
     let input: String = events.iter().map(|(_, e)| format!("{e}\n")).collect();
-    let mut out = Vec::new();
-    structured_sink::replay::replay(config, input.as_bytes(), &mut out, std::io::sink()).unwrap();
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let summary = structured_sink::replay::replay(config, input.as_bytes(), &mut out, &mut err).unwrap();
+    assert_eq!(summary.rejected, 0, "replay rejected input: {}", String::from_utf8_lossy(&err));
     let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
     for line in String::from_utf8(out).unwrap().lines() {
         let v: Value = serde_json::from_str(line).unwrap();

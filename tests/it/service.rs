@@ -10,7 +10,7 @@ use serde_json::Value;
 use structured_sink::codec::proto;
 use structured_sink::config::{Config, TagConfig};
 use structured_sink::pipeline::TagKind;
-use structured_sink::service::RunningService;
+use structured_sink::service::{RunningService, TYPE_HEADER};
 
 use crate::support::NatsServer;
 
@@ -89,17 +89,9 @@ pub async fn collect(
 
 /// The proto3 JSON of an output message, as `replay` prints it.
 pub fn as_json(m: &async_nats::Message) -> Value {
-    let type_name = m.headers.as_ref().and_then(|h| h.get("Structured-Sink-Type")).expect("type header").to_string();
-    let type_name: &'static str = Box::leak(type_name.into_boxed_str());
-    let p = structured_sink::codec::outbound::Publication {
-        subject: m.subject.as_str().into(),
-        type_name,
-        content_type: "",
-        payload: m.payload.clone(),
-        msg_id: String::new(),
-    };
-    structured_sink::replay::publication_json(&p, structured_sink::typed::SchemaRegistry::builtin().descriptor_pool())
-        .unwrap()
+    let type_name = m.headers.as_ref().and_then(|h| h.get(TYPE_HEADER)).expect("type header");
+    let registry = structured_sink::typed::SchemaRegistry::builtin();
+    structured_sink::replay::message_json(registry.descriptor_pool(), type_name.as_str(), &m.payload).unwrap()
 }
 
 fn is_final(m: &async_nats::Message) -> bool {
