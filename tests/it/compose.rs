@@ -16,7 +16,7 @@
 //! builder's stand-in takes the official name itself). The image is built plainly (`PGO=0`): one
 //! release build, cached by BuildKit after the first run.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -28,6 +28,7 @@ use structured_sink::replay::message_json;
 use structured_sink::service::TYPE_HEADER;
 
 use crate::scale::replayed;
+use crate::service::ByStream;
 use crate::support::{docker_has_image, docker_with_daemon, free_ports, http_get, repo, STANDIN_NATS, STANDIN_RUNTIME};
 
 /// Messages in the workload, published round-robin as many agents at once.
@@ -195,10 +196,6 @@ fn events_of(i: usize, message_id: &str) -> Vec<Value> {
     events
 }
 
-/// A stream's outputs in publish order, keyed by stream id: (subject, message), as
-/// [`replayed`] predicts them.
-type Outputs = BTreeMap<String, Vec<(String, Value)>>;
-
 /// An output message's stream field `name` (`message_id`, `stream_id`).
 fn stream_field(message: &Value, name: &str) -> String {
     message["stream"][name].as_str().unwrap_or_default().to_owned()
@@ -233,7 +230,7 @@ async fn compose_stack_delivers_what_replay_predicts_through_a_kill_and_a_restar
     let mut outputs = client.subscribe("chat.>").await.unwrap();
     client.flush().await.unwrap();
     let handler = tokio::spawn(async move {
-        let mut received = Outputs::new();
+        let mut received = ByStream::new();
         let mut first_copies: HashMap<String, (String, Value)> = HashMap::new();
         let (mut republished, mut finals) = (0usize, BTreeSet::new());
         let reading = async {

@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 use crate::scale::{
     consumer_state, downstream, group, mapping, one_partition_config, publish_inputs, read_all, replayed, settle,
 };
-use crate::service::test_config;
+use crate::service::{test_config, ByStream};
 use crate::support::{NatsServer, NatsServerBuilder};
 
 /// One proxied connection: its forwarding task, whether it drops the server's bytes, and whether
@@ -385,15 +385,12 @@ async fn replayed_and_stored(
     server: &NatsServer,
     out: &mut jetstream::stream::Stream,
     events: &[(String, String)],
-) -> (Grouped, Grouped) {
+) -> (ByStream, ByStream) {
     let expected = replayed(&test_config(&server.url()), events);
     let total: usize = expected.values().map(Vec::len).sum();
     let got = read_all(out, total).await;
     (expected, group(&got))
 }
-
-/// Outputs by stream, as `replayed` and `group` give them.
-type Grouped = std::collections::BTreeMap<String, Vec<(String, serde_json::Value)>>;
 
 /// The `FilteredText` stored last on `chat.filtered` in `out`, if any.
 async fn last_filtered(out: &jetstream::stream::Stream) -> Option<proto::FilteredText> {

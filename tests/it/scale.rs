@@ -16,7 +16,7 @@ use structured_sink::codec::subject::escape_token;
 use structured_sink::config::{Config, PartitionMode};
 use structured_sink::service::RunningService;
 
-use crate::service::{as_json, test_config};
+use crate::service::{as_json, test_config, ByStream};
 use crate::support::NatsServer;
 
 /// The server mapping of `chat.raw.<id>` to `chat.raw.p.<partition>.<id>`.
@@ -49,12 +49,12 @@ fn conversation(streams: usize, deltas: usize) -> Vec<(String, String)> {
 
 /// What `replay` publishes for `events`, per stream, in order: (subject, message JSON). Every
 /// event must be one replay accepts.
-pub(crate) fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap<String, Vec<(String, Value)>> {
+pub(crate) fn replayed(config: &Config, events: &[(String, String)]) -> ByStream {
     let input: String = events.iter().map(|(_, e)| format!("{e}\n")).collect();
     let (mut out, mut err) = (Vec::new(), Vec::new());
     let summary = structured_sink::replay::replay(config, input.as_bytes(), &mut out, &mut err).unwrap();
     assert_eq!(summary.rejected, 0, "replay rejected input: {}", String::from_utf8_lossy(&err));
-    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+    let mut map = ByStream::new();
     for line in String::from_utf8(out).unwrap().lines() {
         let v: Value = serde_json::from_str(line).unwrap();
         let stream = v["message"]["stream"]["stream_id"].as_str().unwrap().to_owned();
@@ -63,8 +63,8 @@ pub(crate) fn replayed(config: &Config, events: &[(String, String)]) -> BTreeMap
     map
 }
 
-pub(crate) fn group(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(String, Value)>> {
-    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+pub(crate) fn group(messages: &[async_nats::Message]) -> ByStream {
+    let mut map = ByStream::new();
     for m in messages {
         let json = as_json(m);
         let stream = json["stream"]["stream_id"].as_str().unwrap().to_owned();
@@ -76,7 +76,7 @@ pub(crate) fn group(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(S
 /// Like [`group`], each stream's outputs in `seq` order: after a server restart or a node loss an
 /// output whose storage was not confirmed is published again and may be stored after later
 /// outputs of its stream (consumers order by `seq`).
-fn group_by_seq(messages: &[async_nats::Message]) -> BTreeMap<String, Vec<(String, Value)>> {
+fn group_by_seq(messages: &[async_nats::Message]) -> ByStream {
     let mut map = group(messages);
     for outputs in map.values_mut() {
         outputs.sort_by_key(|(_, m)| m["seq"].as_str().and_then(|s| s.parse::<u64>().ok()));

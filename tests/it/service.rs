@@ -102,9 +102,12 @@ fn finals(ms: &[async_nats::Message]) -> usize {
     ms.iter().filter(|m| is_final(m)).count()
 }
 
+/// Outputs by stream id, each stream's in order: (subject, message JSON as `replay` prints it).
+pub(crate) type ByStream = BTreeMap<String, Vec<(String, Value)>>;
+
 /// Groups records by stream id, keeping order.
-fn by_stream(records: impl IntoIterator<Item = (String, Value)>) -> BTreeMap<String, Vec<(String, Value)>> {
-    let mut map: BTreeMap<String, Vec<(String, Value)>> = BTreeMap::new();
+fn by_stream(records: impl IntoIterator<Item = (String, Value)>) -> ByStream {
+    let mut map = ByStream::new();
     for (subject, message) in records {
         let stream = message["stream"]["stream_id"].as_str().unwrap_or_default().to_owned();
         map.entry(stream).or_default().push((subject, message));
