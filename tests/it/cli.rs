@@ -1,5 +1,5 @@
 //! The `structured-sink` binary as an operator runs it: demo, config, bad configuration, serve
-//! with a signal.
+//! with a signal, serve exporting its traces to an OTLP collector.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -7,7 +7,7 @@ use std::time::Duration;
 use prost::Message as _;
 use structured_sink::codec::proto;
 
-use crate::support::{find_nats_server, sigterm, NatsServer};
+use crate::support::{attribute, find_nats_server, free_ports, sigterm, NatsServer, OtlpCollector};
 
 fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
@@ -171,6 +171,141 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
     assert!(ready, "the service never answered: {logs}");
     assert!(logs.contains("connected to NATS"), "{logs}");
     assert!(!logs.contains("pw-s3cret"), "the password is logged: {logs}");
+}
+
+/// With `telemetry.otlp_endpoint` set, `serve` exports one span per stream over OTLP/HTTP to the
+/// collector: the span joins the trace of its input's `traceparent`, names the message and how
+/// the stream ended, carries the configured service name, never the text, and is flushed by the
+/// graceful shutdown at the latest.
+#[tokio::test]
+async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
+    const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const PARENT_SPAN_ID: &str = "00f067aa0ba902b7";
+    let collector = OtlpCollector::start();
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let child = serve(&server.url())
+        .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", collector.endpoint())
+        .env("STRUCTURED_SINK__TELEMETRY__SERVICE_NAME", "sink-under-test")
+        // The exporter's HTTP client honours proxy settings; the collector is on loopback.
+        .env("NO_PROXY", "127.0.0.1")
+        .env_remove("HTTP_PROXY")
+        .env_remove("http_proxy")
+        .spawn()
+        .unwrap();
+    let ready = answers(&client, &mut filtered).await;
+    assert!(ready, "the service never answered");
+
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("traceparent", format!("00-{TRACE_ID}-{PARENT_SPAN_ID}-01").as_str());
+    for event in [
+        r#"{"type":"partial","meta":{"message_id":"traced"},"delta":"hush "}"#,
+        r#"{"type":"partial","meta":{"message_id":"traced"},"delta":"hush"}"#,
+        r#"{"type":"final","meta":{"message_id":"traced"},"text":"hush hush"}"#,
+    ] {
+        client.publish_with_headers("chat", headers.clone(), event.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let mut last = None;
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut filtered)).await
+    {
+        let t = proto::FilteredText::decode(m.payload.clone()).unwrap();
+        if t.stream.as_ref().unwrap().message_id == "traced" {
+            let traceparent = m.headers.as_ref().and_then(|h| h.get("traceparent")).map(|v| v.to_string());
+            assert_eq!(traceparent.as_deref(), Some(format!("00-{TRACE_ID}-{PARENT_SPAN_ID}-01").as_str()));
+            if t.r#final {
+                last = Some(t);
+                break;
+            }
+        }
+    }
+    let last = last.expect("the traced stream's final output");
+
+    sigterm(&child).expect("SIGTERM to serve");
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{logs}");
+    assert!(!logs.contains("telemetry shutdown"), "the exporter did not flush cleanly: {logs}");
+
+    let spans = collector.spans();
+    let of = |id: &str| -> Vec<_> {
+        spans
+            .iter()
+            .filter(|(_, span)| attribute(&span.attributes, "messaging.message.id").as_deref() == Some(id))
+            .collect()
+    };
+    let traced = of("traced");
+    assert_eq!(traced.len(), 1, "one span for the stream of three events: {spans:?}");
+    let (resource, span) = traced[0];
+    assert_eq!(span.name, "stream");
+    assert_eq!(hex(&span.trace_id), TRACE_ID, "the span joins the input's trace");
+    assert_eq!(hex(&span.parent_span_id), PARENT_SPAN_ID, "the input's span is its parent");
+    assert_eq!(span.span_id.len(), 8);
+    assert_ne!(hex(&span.span_id), PARENT_SPAN_ID);
+    assert!(span.end_time_unix_nano >= span.start_time_unix_nano && span.start_time_unix_nano > 0);
+    assert_eq!(attribute(&span.attributes, "messaging.system").as_deref(), Some("nats"));
+    assert_eq!(attribute(&span.attributes, "stream.id"), Some(last.stream.as_ref().unwrap().stream_id.clone()));
+    assert_eq!(attribute(&span.attributes, "stream.finish_reason"), Some(last.finish_reason.clone()));
+    assert_eq!(attribute(&span.attributes, "stream.outputs"), Some(last.seq.to_string()));
+    assert_eq!(attribute(resource, "service.name").as_deref(), Some("sink-under-test"));
+    assert_eq!(attribute(resource, "service.version").as_deref(), Some(env!("CARGO_PKG_VERSION")));
+    assert!(!format!("{spans:?}").contains("hush"), "payload text reached a span: {spans:?}");
+    // A stream whose input carried no trace context starts a trace of its own.
+    let probe = of("probe");
+    assert!(!probe.is_empty(), "the probe streams' spans: {spans:?}");
+    assert!(probe.iter().all(|(_, span)| span.parent_span_id.is_empty() && hex(&span.trace_id) != TRACE_ID));
+}
+
+/// A collector that cannot be reached costs only the spans: the service publishes every output,
+/// says in its logs that the export failed, and still stops cleanly on SIGTERM.
+#[tokio::test]
+async fn serve_keeps_publishing_when_the_otlp_collector_is_unreachable() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    // A port that was free a moment ago: connections to it are refused.
+    let closed = free_ports(1)[0];
+    let child = serve(&server.url())
+        .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", format!("http://127.0.0.1:{closed}"))
+        .env("NO_PROXY", "127.0.0.1")
+        .env_remove("HTTP_PROXY")
+        .env_remove("http_proxy")
+        .spawn()
+        .unwrap();
+    let ready = answers(&client, &mut filtered).await;
+    assert!(ready, "the service never answered");
+    for id in 0..20 {
+        let event = format!(r#"{{"type":"final","meta":{{"message_id":"m{id}"}},"text":"answer {id}"}}"#);
+        client.publish("chat", event.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let mut answered = std::collections::BTreeSet::new();
+    while answered.len() < 20 {
+        let next = tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut filtered)).await;
+        let Ok(Some(m)) = next else { break };
+        let t = proto::FilteredText::decode(m.payload).unwrap();
+        let id = t.stream.unwrap().message_id;
+        if id != "probe" {
+            assert_eq!(t.text, format!("answer {}", &id[1..]));
+            answered.insert(id);
+        }
+    }
+    assert_eq!(answered.len(), 20, "every stream's output arrives: {answered:?}");
+    sigterm(&child).expect("SIGTERM to serve");
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{logs}");
+    assert!(logs.contains("stopped"), "{logs}");
+    // The failed export is an error line of the OpenTelemetry SDK, not silence.
+    let reported = logs.lines().any(|line| line.contains("ERROR") && line.contains("opentelemetry"));
+    assert!(reported, "no export error in the logs: {logs}");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Publishes a probe event until the service under test answers on `filtered` (it is ready once

@@ -6,6 +6,7 @@
 //! when set) on a random loopback port with JetStream and a temporary store, and kills it on
 //! drop; [`NatsCluster`] does the same for a routed cluster of several nodes.
 //! [`TestPki`] makes a CA, a server and a client certificate with the `openssl` command.
+//! [`OtlpCollector`] receives OTLP/HTTP trace exports on a loopback port.
 //! Nothing here knows about the service under test: tests connect to the URLs and do the rest.
 //!
 //! Without a `nats-server` binary (or `openssl`, for TLS tests) these helpers panic with a
@@ -17,10 +18,12 @@
 // re-exports) are unused in any one build of the test binary.
 #![allow(dead_code, unused_imports)]
 
+mod collector;
 mod container;
 mod nats_server;
 mod pki;
 
+pub use collector::{attribute, OtlpCollector};
 pub use nats_server::{find_nats_server, free_ports, http_get, NatsCluster, NatsServer, NatsServerBuilder};
 pub use pki::TestPki;
 
