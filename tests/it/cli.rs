@@ -186,13 +186,8 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     let client = async_nats::connect(server.url()).await.unwrap();
     let mut filtered = client.subscribe("chat.filtered").await.unwrap();
     client.flush().await.unwrap();
-    let child = serve(&server.url())
-        .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", collector.endpoint())
+    let child = serve_exporting_spans(&server.url(), &collector.endpoint())
         .env("STRUCTURED_SINK__TELEMETRY__SERVICE_NAME", "sink-under-test")
-        // The exporter's HTTP client honours proxy settings; the collector is on loopback.
-        .env("NO_PROXY", "127.0.0.1")
-        .env_remove("HTTP_PROXY")
-        .env_remove("http_proxy")
         .spawn()
         .unwrap();
     let ready = answers(&client, &mut filtered).await;
@@ -268,13 +263,7 @@ async fn serve_keeps_publishing_when_the_otlp_collector_is_unreachable() {
     client.flush().await.unwrap();
     // A port that was free a moment ago: connections to it are refused.
     let closed = free_ports(1)[0];
-    let child = serve(&server.url())
-        .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", format!("http://127.0.0.1:{closed}"))
-        .env("NO_PROXY", "127.0.0.1")
-        .env_remove("HTTP_PROXY")
-        .env_remove("http_proxy")
-        .spawn()
-        .unwrap();
+    let child = serve_exporting_spans(&server.url(), &format!("http://127.0.0.1:{closed}")).spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
     assert!(ready, "the service never answered");
     for id in 0..20 {
@@ -330,5 +319,19 @@ fn serve(url: &str) -> Command {
         .env("STRUCTURED_SINK__HTTP__ENABLED", "false")
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
+    command
+}
+
+/// [`serve`] exporting its spans to the OTLP collector at `endpoint`, on loopback.
+fn serve_exporting_spans(url: &str, endpoint: &str) -> Command {
+    let mut command = serve(url);
+    command
+        .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", endpoint)
+        // The exporter's HTTP client honours proxy settings from the environment.
+        .env("NO_PROXY", "127.0.0.1")
+        .env_remove("HTTP_PROXY")
+        .env_remove("http_proxy")
+        .env_remove("ALL_PROXY")
+        .env_remove("all_proxy");
     command
 }
