@@ -191,6 +191,7 @@ fn tracer_provider(cfg: &TelemetryConfig) -> Result<Option<SdkTracerProvider>, T
     let Some(endpoint) = traces_endpoint(&cfg.otlp_endpoint)? else {
         return Ok(None);
     };
+    install_tls_provider();
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpBinary)
@@ -202,6 +203,14 @@ fn tracer_provider(cfg: &TelemetryConfig) -> Result<Option<SdkTracerProvider>, T
         .build();
     let provider = SdkTracerProvider::builder().with_resource(resource).with_batch_exporter(exporter).build();
     Ok(Some(provider))
+}
+
+/// Makes ring rustls' process-wide crypto provider. The exporter's HTTP client (reqwest with
+/// rustls and no provider of its own) takes its TLS crypto from there, for `https://` endpoints;
+/// ring is the provider this build already carries for async-nats' TLS. Installing fails only when
+/// a provider is already installed, and that one serves as well.
+fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// The full traces URL for a configured collector address: `http://collector:4318` becomes

@@ -1,5 +1,5 @@
 //! The `structured-sink` binary as an operator runs it: demo, config, bad configuration, serve
-//! with a signal, serve exporting its traces to an OTLP collector.
+//! with a signal, serve exporting its traces to an OTLP collector over HTTP and HTTPS.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -7,7 +7,7 @@ use std::time::Duration;
 use prost::Message as _;
 use structured_sink::codec::proto;
 
-use crate::support::{attribute, find_nats_server, free_ports, sigterm, NatsServer, OtlpCollector};
+use crate::support::{attribute, find_nats_server, free_ports, sigterm, NatsServer, OtlpCollector, TestPki};
 
 fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
@@ -251,6 +251,45 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     let probe = of("probe");
     assert!(!probe.is_empty(), "the probe streams' spans: {spans:?}");
     assert!(probe.iter().all(|(_, span)| span.parent_span_id.is_empty() && hex(&span.trace_id) != TRACE_ID));
+}
+
+/// An `https://` collector: the exporter verifies the collector's certificate against the
+/// system's roots (here `SSL_CERT_FILE`, the test CA) and delivers the spans over TLS; against a
+/// CA that did not sign the certificate it refuses the collector and delivers nothing.
+#[tokio::test]
+async fn serve_exports_spans_to_an_https_collector_it_trusts_only() {
+    let pki = TestPki::generate();
+    for (ca, trusted) in [(pki.ca_file(), true), (pki.other_ca_file(), false)] {
+        let collector = OtlpCollector::start_tls(&pki.server_cert_file(), &pki.server_key_file());
+        let endpoint = collector.endpoint().replace("http://", "https://");
+        let server = NatsServer::start();
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+        client.flush().await.unwrap();
+        let child = serve_exporting_spans(&server.url(), &endpoint)
+            .env("SSL_CERT_FILE", &ca)
+            .env_remove("SSL_CERT_DIR")
+            .spawn()
+            .unwrap();
+        let ready = answers(&client, &mut filtered).await;
+        assert!(ready, "the service never answered");
+        sigterm(&child).expect("SIGTERM to serve");
+        let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+        let logs = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{logs}");
+        let probes = collector
+            .spans()
+            .iter()
+            .filter(|(_, span)| attribute(&span.attributes, "messaging.message.id").as_deref() == Some("probe"))
+            .count();
+        if trusted {
+            assert!(probes > 0, "no span arrived over TLS: {logs}");
+            assert_eq!(collector.refused(), 0);
+        } else {
+            assert_eq!(probes, 0, "spans went to a collector the service must not trust");
+            assert!(collector.refused() > 0, "the exporter never tried the collector: {logs}");
+        }
+    }
 }
 
 /// A collector that cannot be reached costs only the spans: the service publishes every output,

@@ -1,25 +1,32 @@
 //! An OTLP/HTTP trace receiver on a loopback port, standing in for an OpenTelemetry collector:
 //! it accepts `POST /v1/traces` with a protobuf `ExportTraceServiceRequest`, answers `200 OK`,
-//! and keeps every request it decoded for the test to inspect.
+//! and keeps every request it decoded for the test to inspect. It serves plain HTTP, or HTTPS
+//! with a certificate the test gives it (rustls with ring).
 //!
 //! It speaks just enough HTTP/1.1 for an exporter (keep-alive, `Content-Length` or chunked
 //! bodies, no compression) and records anything else it was sent as an error instead of
-//! answering it, so that a test sees why no spans arrived. It knows nothing of the service.
+//! answering it, so that a test sees why no spans arrived; a TLS handshake that fails is
+//! recorded as a refused connection, not an error. It knows nothing of the service.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, KeyValue};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
+use rustls::pki_types::pem::PemObject as _;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 /// What the receiver was sent so far.
 #[derive(Default)]
 struct Received {
     requests: Vec<ExportTraceServiceRequest>,
     errors: Vec<String>,
+    /// TLS connections whose handshake failed.
+    refused: usize,
 }
 
 /// A running receiver; its threads end with the test process.
@@ -29,8 +36,29 @@ pub struct OtlpCollector {
 }
 
 impl OtlpCollector {
-    /// Binds a free loopback port and starts accepting connections.
+    /// Binds a free loopback port and starts accepting plain HTTP connections.
     pub fn start() -> OtlpCollector {
+        OtlpCollector::listen(None)
+    }
+
+    /// Binds a free loopback port and starts accepting HTTPS connections, presenting the
+    /// certificate chain in `cert_file` with the key in `key_file` (PEM files).
+    pub fn start_tls(cert_file: &Path, key_file: &Path) -> OtlpCollector {
+        let chain: Vec<_> = CertificateDer::pem_file_iter(cert_file)
+            .expect("read the collector's certificate")
+            .collect::<Result<_, _>>()
+            .expect("parse the collector's certificate");
+        let key = PrivateKeyDer::from_pem_file(key_file).expect("read the collector's key");
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("the collector's certificate and key");
+        OtlpCollector::listen(Some(Arc::new(config)))
+    }
+
+    fn listen(tls: Option<Arc<rustls::ServerConfig>>) -> OtlpCollector {
         let listener = TcpListener::bind(("127.0.0.1", 0)).expect("bind a loopback port for the collector");
         let port = listener.local_addr().expect("local address").port();
         let received = Arc::new(Mutex::new(Received::default()));
@@ -38,9 +66,21 @@ impl OtlpCollector {
         std::thread::spawn(move || {
             for connection in listener.incoming() {
                 let Ok(connection) = connection else { continue };
-                let shared = shared.clone();
+                let (shared, tls) = (shared.clone(), tls.clone());
                 std::thread::spawn(move || {
-                    if let Err(error) = serve(connection, &shared) {
+                    let served = match tls {
+                        None => serve(connection, &shared),
+                        Some(config) => {
+                            let mut session = rustls::ServerConnection::new(config).expect("a TLS session");
+                            let mut connection = connection;
+                            if session.complete_io(&mut connection).is_err() {
+                                shared.lock().unwrap().refused += 1;
+                                return;
+                            }
+                            serve(rustls::StreamOwned::new(session, connection), &shared)
+                        }
+                    };
+                    if let Err(error) = served {
                         shared.lock().unwrap().errors.push(error);
                     }
                 });
@@ -52,6 +92,12 @@ impl OtlpCollector {
     /// The base URL to configure as the OTLP endpoint (the exporter appends `/v1/traces`).
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// How many TLS connections were refused in the handshake (a client that did not trust the
+    /// certificate, say).
+    pub fn refused(&self) -> usize {
+        self.received.lock().unwrap().refused
     }
 
     /// Every span received so far with its resource's attributes, in arrival order. Panics with
@@ -85,13 +131,16 @@ pub fn attribute(attributes: &[KeyValue], key: &str) -> Option<String> {
 }
 
 /// Answers the requests of one connection until the client closes it.
-fn serve(connection: TcpStream, received: &Mutex<Received>) -> Result<(), String> {
-    let mut writer = connection.try_clone().map_err(|e| e.to_string())?;
+fn serve(connection: impl Read + Write, received: &Mutex<Received>) -> Result<(), String> {
     let mut reader = BufReader::new(connection);
     loop {
         let mut request_line = String::new();
-        if reader.read_line(&mut request_line).map_err(|e| e.to_string())? == 0 {
-            return Ok(());
+        match reader.read_line(&mut request_line) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
+            // A TLS client may close the connection between requests without a close_notify.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && request_line.is_empty() => return Ok(()),
+            Err(e) => return Err(e.to_string()),
         }
         let (mut length, mut chunked, mut content_type) = (None, false, String::new());
         loop {
@@ -128,8 +177,10 @@ fn serve(connection: TcpStream, received: &Mutex<Received>) -> Result<(), String
         }
         let request = ExportTraceServiceRequest::decode(body.as_slice()).map_err(|e| e.to_string())?;
         received.lock().unwrap().requests.push(request);
+        let writer = reader.get_mut();
         writer
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n")
+            .and_then(|()| writer.flush())
             .map_err(|e| e.to_string())?;
     }
 }
