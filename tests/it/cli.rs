@@ -188,6 +188,8 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     client.flush().await.unwrap();
     let child = serve_exporting_spans(&server.url(), &collector.endpoint())
         .env("STRUCTURED_SINK__TELEMETRY__SERVICE_NAME", "sink-under-test")
+        // How a collector's credentials reach the exporter: OpenTelemetry's own variable.
+        .env("OTEL_EXPORTER_OTLP_HEADERS", "x-collector-token=sesame")
         .spawn()
         .unwrap();
     let ready = answers(&client, &mut filtered).await;
@@ -247,6 +249,8 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     assert_eq!(attribute(resource, "service.name").as_deref(), Some("sink-under-test"));
     assert_eq!(attribute(resource, "service.version").as_deref(), Some(env!("CARGO_PKG_VERSION")));
     assert!(!format!("{spans:?}").contains("hush"), "payload text reached a span: {spans:?}");
+    let token = ("x-collector-token".to_owned(), "sesame".to_owned());
+    assert!(collector.request_headers().iter().all(|headers| headers.contains(&token)));
     // A stream whose input carried no trace context starts a trace of its own.
     let probe = of("probe");
     assert!(!probe.is_empty(), "the probe streams' spans: {spans:?}");

@@ -24,6 +24,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 #[derive(Default)]
 struct Received {
     requests: Vec<ExportTraceServiceRequest>,
+    /// Each request's headers, names in lowercase, in arrival order.
+    headers: Vec<Vec<(String, String)>>,
     errors: Vec<String>,
     /// TLS connections whose handshake failed.
     refused: usize,
@@ -100,6 +102,11 @@ impl OtlpCollector {
         self.received.lock().unwrap().refused
     }
 
+    /// The headers of every request received so far (names in lowercase).
+    pub fn request_headers(&self) -> Vec<Vec<(String, String)>> {
+        self.received.lock().unwrap().headers.clone()
+    }
+
     /// Every span received so far with its resource's attributes, in arrival order. Panics with
     /// the receiver's errors if it refused anything.
     pub fn spans(&self) -> Vec<(Vec<KeyValue>, Span)> {
@@ -143,6 +150,7 @@ fn serve(connection: impl Read + Write, received: &Mutex<Received>) -> Result<()
             Err(e) => return Err(e.to_string()),
         }
         let (mut length, mut chunked, mut content_type) = (None, false, String::new());
+        let mut headers = Vec::new();
         loop {
             let mut line = String::new();
             reader.read_line(&mut line).map_err(|e| e.to_string())?;
@@ -151,8 +159,9 @@ fn serve(connection: impl Read + Write, received: &Mutex<Received>) -> Result<()
                 break;
             }
             let Some((name, value)) = line.split_once(':') else { return Err(format!("bad header line {line:?}")) };
-            let value = value.trim();
-            match name.to_ascii_lowercase().as_str() {
+            let (name, value) = (name.to_ascii_lowercase(), value.trim());
+            headers.push((name.clone(), value.to_owned()));
+            match name.as_str() {
                 "content-length" => length = Some(value.parse::<usize>().map_err(|e| e.to_string())?),
                 "transfer-encoding" => chunked = value.eq_ignore_ascii_case("chunked"),
                 "content-type" => content_type = value.to_owned(),
@@ -176,7 +185,10 @@ fn serve(connection: impl Read + Write, received: &Mutex<Received>) -> Result<()
             return Err(format!("unexpected content type {content_type:?}"));
         }
         let request = ExportTraceServiceRequest::decode(body.as_slice()).map_err(|e| e.to_string())?;
-        received.lock().unwrap().requests.push(request);
+        let mut received = received.lock().unwrap();
+        received.requests.push(request);
+        received.headers.push(headers);
+        drop(received);
         let writer = reader.get_mut();
         writer
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\n\r\n")
