@@ -13,7 +13,7 @@ use structured_sink::codec::proto;
 use structured_sink::service::RunningService;
 
 use crate::service::{collect, test_config};
-use crate::support::{sigterm, NatsServer};
+use crate::support::{sigterm, NatsServer, OtlpCollector};
 
 fn partial(id: &str, delta: &str) -> String {
     json!({"type": "partial", "meta": {"message_id": id}, "delta": delta}).to_string()
@@ -450,6 +450,9 @@ async fn a_hundred_thousand_abandoned_streams_are_bounded_expire_and_their_memor
 async fn payload_text_never_reaches_logs_spans_or_metric_labels() {
     const MARKER: &str = "ZQX-payload-marker-7731";
     let server = NatsServer::start();
+    // The spans go to a collector, to be searched as the logs are.
+    let collector = OtlpCollector::start();
+    let endpoint = collector.endpoint();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
     let config = dir.path().join("tags.toml");
@@ -466,6 +469,8 @@ async fn payload_text_never_reaches_logs_spans_or_metric_labels() {
         ("STRUCTURED_SINK__INPUT__PASS_THROUGH_SUBJECT", "chat.other"),
         ("STRUCTURED_SINK__INPUT__MAX_EVENT_BYTES", "4096"),
         ("STRUCTURED_SINK__PIPELINE__MAX_CAPTURE_BYTES", "64"),
+        ("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", endpoint.as_str()),
+        ("NO_PROXY", "127.0.0.1"),
     ];
     let child = spawn_serve(&server.url(), &env, &log);
     let client = async_nats::connect(server.url()).await.unwrap();
@@ -511,6 +516,13 @@ async fn payload_text_never_reaches_logs_spans_or_metric_labels() {
     let leaks: Vec<&str> = text.lines().filter(|l| l.contains(m)).collect();
     assert!(leaks.is_empty(), "payload text in {} log lines:\n{}", leaks.len(), leaks.join("\n"));
     assert!(!counters.contains(m), "payload text in the metrics: {counters}");
+    // The spans of the two streams that opened (the others' events were dead-lettered) were
+    // exported by the graceful shutdown at the latest, and neither holds it.
+    let spans = format!("{:?}", collector.spans());
+    for id in ["s1", "s5"] {
+        assert!(spans.contains(&format!("StringValue(\"{id}\")")), "no span for stream {id}: {spans}");
+    }
+    assert!(!spans.contains(m), "payload text in the exported spans: {spans}");
 }
 
 #[tokio::test]
