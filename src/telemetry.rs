@@ -206,9 +206,10 @@ fn tracer_provider(cfg: &TelemetryConfig) -> Result<Option<SdkTracerProvider>, T
 }
 
 /// Makes ring rustls' process-wide crypto provider. The exporter's HTTP client (reqwest with
-/// rustls and no provider of its own) takes its TLS crypto from there, for `https://` endpoints;
-/// ring is the provider this build already carries for async-nats' TLS. Installing fails only when
-/// a provider is already installed, and that one serves as well.
+/// rustls and no provider of its own) takes its TLS crypto from there, and cannot even be built
+/// without one, whatever the endpoint's scheme; ring is the provider this build already carries
+/// for the bus's TLS. Installing fails only when a provider is already installed, and that one
+/// serves as well.
 fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
