@@ -1,5 +1,6 @@
 //! The `structured-sink` binary as an operator runs it: demo, config, bad configuration, serve
-//! with a signal, serve exporting its traces to an OTLP collector over HTTP and HTTPS.
+//! with a signal, serve logging JSON, serve exporting its traces to an OTLP collector over HTTP
+//! and HTTPS.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -171,6 +172,37 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
     assert!(ready, "the service never answered: {logs}");
     assert!(logs.contains("connected to NATS"), "{logs}");
     assert!(!logs.contains("pw-s3cret"), "the password is logged: {logs}");
+}
+
+/// `telemetry.log_format = "json"`: every line `serve` writes to stderr, its own and the NATS
+/// client's, from start to shutdown, is one JSON object with a level, a target and the event's
+/// fields, as a log collector expects.
+#[tokio::test]
+async fn serve_logs_one_json_object_per_line() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    let child = serve(&server.url()).env("STRUCTURED_SINK__TELEMETRY__LOG_FORMAT", "json").spawn().unwrap();
+    let ready = answers(&client, &mut filtered).await;
+    sigterm(&child).expect("SIGTERM to serve");
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(ready && output.status.success(), "{logs}");
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON object ({e}): {line}")))
+        .collect();
+    for line in &lines {
+        assert!(line["level"].is_string() && line["target"].is_string(), "{line}");
+        assert!(line["fields"]["message"].is_string(), "{line}");
+    }
+    let message = |m: &str| lines.iter().find(|line| line["fields"]["message"] == m).cloned();
+    let running = message("structured-sink is running").unwrap_or_else(|| panic!("no start line: {logs}"));
+    assert_eq!(running["level"], "INFO");
+    assert_eq!(running["fields"]["version"], env!("CARGO_PKG_VERSION"));
+    assert!(message("stopped").is_some(), "no shutdown line: {logs}");
+    assert!(lines.iter().any(|line| line["target"].as_str().unwrap().starts_with("async_nats")), "{logs}");
 }
 
 /// With `telemetry.otlp_endpoint` set, `serve` exports one span per stream over OTLP/HTTP to the
