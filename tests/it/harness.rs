@@ -13,7 +13,7 @@ use futures::StreamExt;
 use structured_sink::bus::{self, BusError, ConnectionEvent, NatsConfig, TlsConfig};
 use tokio::sync::mpsc;
 
-use crate::support::{find_nats_server, NatsServer, TestPki};
+use crate::support::{find_nats_server, jwt, NatsServer, TestPki};
 
 /// Generous: a JetStream leader election in a cluster takes a few seconds on 2 cores.
 const WAIT: Duration = Duration::from_secs(30);
@@ -355,6 +355,24 @@ async fn nkey_authentication() {
 
     let without = NatsConfig { nkey_seed: None, ..good };
     let error = bus::connect(&without, |_| {}).await.map(|_| ()).unwrap_err();
+    assert!(matches!(error, BusError::AuthorizationViolation { .. }), "{error}");
+}
+
+/// Decentralized authentication, as NGS and operator-mode deployments use it: a credentials
+/// file (user JWT and seed) issued under the operator the server trusts connects; one whose
+/// account the server does not know is refused as an authorization violation.
+#[tokio::test]
+async fn credentials_file_authentication() {
+    let dir = tempfile::tempdir().unwrap();
+    let operator = jwt::Operator::generate();
+    let server = NatsServer::builder().config(operator.server_config(dir.path())).jetstream(false).start();
+    let creds = operator.user_credentials(dir.path(), "sink");
+    let good = NatsConfig { credentials_file: Some(creds), ..config_for(vec![server.url()]) };
+    assert_round_trip(&connect_ok(&good).await, "harness.creds").await;
+
+    let stranger = operator.stranger_credentials(dir.path(), "stranger");
+    let refused = NatsConfig { credentials_file: Some(stranger), ..good };
+    let error = bus::connect(&refused, |_| {}).await.map(|_| ()).unwrap_err();
     assert!(matches!(error, BusError::AuthorizationViolation { .. }), "{error}");
 }
 

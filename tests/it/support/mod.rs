@@ -6,7 +6,8 @@
 //! when set) on a random loopback port with JetStream and a temporary store, and kills it on
 //! drop; [`NatsCluster`] does the same for a routed cluster of several nodes.
 //! [`TestPki`] makes a CA, a server and a client certificate with the `openssl` command.
-//! [`OtlpCollector`] receives OTLP/HTTP trace exports on a loopback port.
+//! [`OtlpCollector`] receives OTLP/HTTP trace exports on a loopback port. [`jwt::Operator`]
+//! makes the JWTs and credentials files of NATS decentralized authentication.
 //! Nothing here knows about the service under test: tests connect to the URLs and do the rest.
 //!
 //! Without a `nats-server` binary (or `openssl`, for TLS tests) these helpers panic with a
@@ -20,6 +21,7 @@
 
 mod collector;
 mod container;
+pub mod jwt;
 mod nats_server;
 mod pki;
 
