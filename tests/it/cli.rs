@@ -120,9 +120,7 @@ fn bad_configuration_stops_start_up_naming_the_key() {
 #[tokio::test]
 async fn serve_stops_on_sigterm_and_closes_open_streams() {
     let server = NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let (client, mut filtered) = watching_filtered(&server).await;
     let child = serve(&server.url()).spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
     assert!(ready, "the service never answered");
@@ -180,9 +178,7 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
 #[tokio::test]
 async fn serve_logs_one_json_object_per_line() {
     let server = NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let (client, mut filtered) = watching_filtered(&server).await;
     let child = serve(&server.url()).env("STRUCTURED_SINK__TELEMETRY__LOG_FORMAT", "json").spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
     sigterm(&child).expect("SIGTERM to serve");
@@ -215,9 +211,7 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     const PARENT_SPAN_ID: &str = "00f067aa0ba902b7";
     let collector = OtlpCollector::start();
     let server = NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let (client, mut filtered) = watching_filtered(&server).await;
     let child = serve_exporting_spans(&server.url(), &collector.endpoint())
         .env("STRUCTURED_SINK__TELEMETRY__SERVICE_NAME", "sink-under-test")
         // How a collector's credentials reach the exporter: OpenTelemetry's own variable.
@@ -299,9 +293,7 @@ async fn serve_exports_spans_to_an_https_collector_it_trusts_only() {
         let collector = OtlpCollector::start_tls(&pki.server_cert_file(), &pki.server_key_file());
         let endpoint = collector.endpoint().replace("http://", "https://");
         let server = NatsServer::start();
-        let client = async_nats::connect(server.url()).await.unwrap();
-        let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-        client.flush().await.unwrap();
+        let (client, mut filtered) = watching_filtered(&server).await;
         let child = serve_exporting_spans(&server.url(), &endpoint)
             .env("SSL_CERT_FILE", &ca)
             .env_remove("SSL_CERT_DIR")
@@ -333,9 +325,7 @@ async fn serve_exports_spans_to_an_https_collector_it_trusts_only() {
 #[tokio::test]
 async fn serve_keeps_publishing_when_the_otlp_collector_is_unreachable() {
     let server = NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let mut filtered = client.subscribe("chat.filtered").await.unwrap();
-    client.flush().await.unwrap();
+    let (client, mut filtered) = watching_filtered(&server).await;
     // A port that was free a moment ago: connections to it are refused.
     let closed = free_ports(1)[0];
     let child = serve_exporting_spans(&server.url(), &format!("http://127.0.0.1:{closed}")).spawn().unwrap();
@@ -370,6 +360,14 @@ async fn serve_keeps_publishing_when_the_otlp_collector_is_unreachable() {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A client of `server` subscribed to `chat.filtered`, the subscription known to the server.
+async fn watching_filtered(server: &NatsServer) -> (async_nats::Client, async_nats::Subscriber) {
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let filtered = client.subscribe("chat.filtered").await.unwrap();
+    client.flush().await.unwrap();
+    (client, filtered)
 }
 
 /// Publishes a probe event until the service under test answers on `filtered` (it is ready once
