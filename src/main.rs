@@ -98,11 +98,15 @@ fn runtime() -> io::Result<tokio::runtime::Runtime> {
 
 /// Runs the service until a signal, then shuts down in order; telemetry is flushed last.
 async fn serve(config: Config) -> io::Result<()> {
+    // Listening first: the service subscribes, and may take input, before its start-up is over,
+    // and a signal then must start the graceful shutdown (once start-up is done), not kill the
+    // process mid-stream as the default action would.
+    let mut signals = ShutdownSignals::listen()?;
     let telemetry = structured_sink::telemetry::init(&config.telemetry).map_err(|e| io::Error::other(e.to_string()))?;
     let service =
         structured_sink::service::RunningService::start(config).await.map_err(|e| io::Error::other(e.to_string()))?;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), "structured-sink is running");
-    wait_for_signal().await?;
+    signals.recv().await;
     tracing::info!("shutting down");
     let stopped = service.shutdown().await;
     if let Err(e) = telemetry.shutdown() {
@@ -111,12 +115,25 @@ async fn serve(config: Config) -> io::Result<()> {
     stopped.map_err(|e| io::Error::other(e.to_string()))
 }
 
-async fn wait_for_signal() -> io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate())?;
-    tokio::select! {
-        result = tokio::signal::ctrl_c() => result,
-        _ = terminate.recv() => Ok(()),
+/// SIGTERM (an orchestrator's stop) and SIGINT (Ctrl-C), caught from [`ShutdownSignals::listen`]
+/// on: one that arrives before [`ShutdownSignals::recv`] is kept for it.
+struct ShutdownSignals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn listen() -> io::Result<ShutdownSignals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(ShutdownSignals { terminate: signal(SignalKind::terminate())?, interrupt: signal(SignalKind::interrupt())? })
+    }
+
+    /// Waits for either signal (at once if one came already).
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
     }
 }
 
