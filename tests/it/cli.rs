@@ -8,7 +8,7 @@ use std::time::Duration;
 use prost::Message as _;
 use structured_sink::codec::proto;
 
-use crate::support::{attribute, find_nats_server, free_ports, sigterm, NatsServer, OtlpCollector, TestPki};
+use crate::support::{attribute, find_nats_server, free_ports, http_get, sigterm, NatsServer, OtlpCollector, TestPki};
 
 fn binary() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_structured-sink"));
@@ -130,8 +130,7 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
         .unwrap();
     client.flush().await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    sigterm(&child).expect("SIGTERM to serve");
-    let status = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let status = stop(child).await;
     assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
     let mut last = None;
     while let Ok(Some(m)) = tokio::time::timeout(Duration::from_secs(2), futures::StreamExt::next(&mut filtered)).await
@@ -164,8 +163,7 @@ async fn serve_never_logs_the_credentials_in_a_server_url() {
     client.flush().await.unwrap();
     let child = serve(&url).env("RUST_LOG", "trace").spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
-    sigterm(&child).expect("SIGTERM to serve");
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let output = stop(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(ready, "the service never answered: {logs}");
     assert!(logs.contains("connected to NATS"), "{logs}");
@@ -181,8 +179,7 @@ async fn serve_logs_one_json_object_per_line() {
     let (client, mut filtered) = watching_filtered(&server).await;
     let child = serve(&server.url()).env("STRUCTURED_SINK__TELEMETRY__LOG_FORMAT", "json").spawn().unwrap();
     let ready = answers(&client, &mut filtered).await;
-    sigterm(&child).expect("SIGTERM to serve");
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let output = stop(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(ready && output.status.success(), "{logs}");
     let lines: Vec<serde_json::Value> = logs
@@ -246,22 +243,15 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     }
     let last = last.expect("the traced stream's final output");
 
-    sigterm(&child).expect("SIGTERM to serve");
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let output = stop(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{logs}");
     assert!(!logs.contains("telemetry shutdown"), "the exporter did not flush cleanly: {logs}");
 
     let spans = collector.spans();
-    let of = |id: &str| -> Vec<_> {
-        spans
-            .iter()
-            .filter(|(_, span)| attribute(&span.attributes, "messaging.message.id").as_deref() == Some(id))
-            .collect()
-    };
-    let traced = of("traced");
+    let traced = collector.spans_where("messaging.message.id", "traced");
     assert_eq!(traced.len(), 1, "one span for the stream of three events: {spans:?}");
-    let (resource, span) = traced[0];
+    let (resource, span) = &traced[0];
     assert_eq!(span.name, "stream");
     assert_eq!(hex(&span.trace_id), TRACE_ID, "the span joins the input's trace");
     assert_eq!(hex(&span.parent_span_id), PARENT_SPAN_ID, "the input's span is its parent");
@@ -278,7 +268,7 @@ async fn serve_exports_one_span_per_stream_to_an_otlp_collector() {
     let token = ("x-collector-token".to_owned(), "sesame".to_owned());
     assert!(collector.request_headers().iter().all(|headers| headers.contains(&token)));
     // A stream whose input carried no trace context starts a trace of its own.
-    let probe = of("probe");
+    let probe = collector.spans_where("messaging.message.id", "probe");
     assert!(!probe.is_empty(), "the probe streams' spans: {spans:?}");
     assert!(probe.iter().all(|(_, span)| span.parent_span_id.is_empty() && hex(&span.trace_id) != TRACE_ID));
 }
@@ -291,25 +281,19 @@ async fn serve_exports_spans_to_an_https_collector_it_trusts_only() {
     let pki = TestPki::generate();
     for (ca, trusted) in [(pki.ca_file(), true), (pki.other_ca_file(), false)] {
         let collector = OtlpCollector::start_tls(&pki.server_cert_file(), &pki.server_key_file());
-        let endpoint = collector.endpoint().replace("http://", "https://");
         let server = NatsServer::start();
         let (client, mut filtered) = watching_filtered(&server).await;
-        let child = serve_exporting_spans(&server.url(), &endpoint)
+        let child = serve_exporting_spans(&server.url(), &collector.endpoint())
             .env("SSL_CERT_FILE", &ca)
             .env_remove("SSL_CERT_DIR")
             .spawn()
             .unwrap();
         let ready = answers(&client, &mut filtered).await;
         assert!(ready, "the service never answered");
-        sigterm(&child).expect("SIGTERM to serve");
-        let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+        let output = stop(child).await;
         let logs = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{logs}");
-        let probes = collector
-            .spans()
-            .iter()
-            .filter(|(_, span)| attribute(&span.attributes, "messaging.message.id").as_deref() == Some("probe"))
-            .count();
+        let probes = collector.spans_where("messaging.message.id", "probe").len();
         if trusted {
             assert!(probes > 0, "no span arrived over TLS: {logs}");
             assert_eq!(collector.refused(), 0);
@@ -348,8 +332,7 @@ async fn serve_keeps_publishing_when_the_otlp_collector_is_unreachable() {
         }
     }
     assert_eq!(answered.len(), 20, "every stream's output arrives: {answered:?}");
-    sigterm(&child).expect("SIGTERM to serve");
-    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let output = stop(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{logs}");
     assert!(logs.contains("stopped"), "{logs}");
@@ -368,6 +351,12 @@ async fn watching_filtered(server: &NatsServer) -> (async_nats::Client, async_na
     let filtered = client.subscribe("chat.filtered").await.unwrap();
     client.flush().await.unwrap();
     (client, filtered)
+}
+
+/// Stops `serve` with SIGTERM, as an orchestrator does, and waits for it: its exit and output.
+async fn stop(child: std::process::Child) -> std::process::Output {
+    sigterm(&child).expect("SIGTERM to serve");
+    tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap()
 }
 
 /// Publishes a probe event until the service under test answers on `filtered` (it is ready once
@@ -400,11 +389,7 @@ fn serve_exporting_spans(url: &str, endpoint: &str) -> Command {
     let mut command = serve(url);
     command
         .env("STRUCTURED_SINK__TELEMETRY__OTLP_ENDPOINT", endpoint)
-        // The exporter's HTTP client honours proxy settings from the environment.
-        .env("NO_PROXY", "127.0.0.1")
-        .env_remove("HTTP_PROXY")
-        .env_remove("http_proxy")
-        .env_remove("ALL_PROXY")
-        .env_remove("all_proxy");
+        // The exporter's HTTP client honours proxy settings from the environment: not for loopback.
+        .env("NO_PROXY", "127.0.0.1");
     command
 }

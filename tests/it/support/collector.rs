@@ -34,6 +34,7 @@ struct Received {
 /// A running receiver; its threads end with the test process.
 pub struct OtlpCollector {
     port: u16,
+    tls: bool,
     received: Arc<Mutex<Received>>,
 }
 
@@ -63,6 +64,7 @@ impl OtlpCollector {
     fn listen(tls: Option<Arc<rustls::ServerConfig>>) -> OtlpCollector {
         let listener = TcpListener::bind(("127.0.0.1", 0)).expect("bind a loopback port for the collector");
         let port = listener.local_addr().expect("local address").port();
+        let serves_tls = tls.is_some();
         let received = Arc::new(Mutex::new(Received::default()));
         let shared = received.clone();
         std::thread::spawn(move || {
@@ -88,12 +90,14 @@ impl OtlpCollector {
                 });
             }
         });
-        OtlpCollector { port, received }
+        OtlpCollector { port, tls: serves_tls, received }
     }
 
-    /// The base URL to configure as the OTLP endpoint (the exporter appends `/v1/traces`).
+    /// The base URL to configure as the OTLP endpoint (the exporter appends `/v1/traces`):
+    /// `https://` when it serves TLS.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// How many TLS connections were refused in the handshake (a client that did not trust the
@@ -121,6 +125,13 @@ impl OtlpCollector {
                 }
             }
         }
+        spans
+    }
+
+    /// The spans received so far whose attribute `key` is `value` (see [`attribute`]).
+    pub fn spans_where(&self, key: &str, value: &str) -> Vec<(Vec<KeyValue>, Span)> {
+        let mut spans = self.spans();
+        spans.retain(|(_, span)| attribute(&span.attributes, key).as_deref() == Some(value));
         spans
     }
 }
