@@ -146,6 +146,37 @@ async fn serve_stops_on_sigterm_and_closes_open_streams() {
     assert!(String::from_utf8_lossy(&status.stderr).contains("stopped"));
 }
 
+/// A SIGTERM while `serve` is still starting (here waiting for its first server, with
+/// `nats.retry_on_initial_connect`) is kept: the process finishes starting once the server is
+/// there, then shuts down gracefully and exits 0, instead of dying of the signal.
+#[tokio::test]
+async fn serve_stops_gracefully_on_a_sigterm_during_start_up() {
+    let mut server = NatsServer::start();
+    server.stop();
+    let http = free_ports(1)[0];
+    let mut child = serve(&server.url())
+        .env("STRUCTURED_SINK__NATS__RETRY_ON_INITIAL_CONNECT", "true")
+        .env("STRUCTURED_SINK__HTTP__ENABLED", "true")
+        .env("STRUCTURED_SINK__HTTP__LISTEN", format!("127.0.0.1:{http}"))
+        .spawn()
+        .unwrap();
+    // Its HTTP endpoint answers while start-up waits for the server.
+    let mut probes = 0;
+    while http_get(http, "/healthz").is_none() {
+        probes += 1;
+        assert!(probes < 200, "the service never opened its HTTP endpoint");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    sigterm(&child).expect("SIGTERM to serve");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(child.try_wait().unwrap().is_none(), "the signal ended the process during start-up");
+    server.restart();
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{logs}");
+    assert!(logs.contains("structured-sink is running") && logs.contains("stopped"), "{logs}");
+}
+
 /// Credentials in a server URL authenticate the service and never reach the logs, at any level:
 /// not in the "connected" line, not in the NATS client's own debug lines (which print each server
 /// address it tries).
